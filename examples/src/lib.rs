@@ -1,0 +1,1 @@
+//! Examples of the KV-cache server: pipelines, a third-party backend, the trace replay client.

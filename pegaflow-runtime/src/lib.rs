@@ -1,0 +1,14 @@
+//! `pegaflow-runtime`: the plugin runtime of the KV-cache server.
+//!
+//! It owns the plugin contract ([`plugin`]), the pipeline and CLI ([`config`]), the engine
+//! (instances, sealing, the block index, leases, eviction, save/load orchestration:
+//! [`engine`]), the gRPC and HTTP services, the fd side channel and the metrics. It depends on
+//! no backend: backends depend on it and register through `inventory`.
+
+pub mod buffer;
+pub mod config;
+pub mod fd_channel;
+pub mod plugin;
+
+pub use buffer::{Extent, HostBuffer, HostMemory};
+pub use plugin::*;

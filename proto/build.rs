@@ -1,0 +1,12 @@
+//! Compiles `proto/engine.proto` with the vendored `protoc`, so no system protobuf compiler is needed.
+fn main() -> Result<(), Box<dyn std::error::Error>> {
+    let protoc = protoc_bin_vendored::protoc_bin_path()?;
+    // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
+    unsafe { std::env::set_var("PROTOC", protoc) };
+    println!("cargo:rerun-if-changed=proto/engine.proto");
+    tonic_prost_build::configure()
+        .build_client(true)
+        .build_server(true)
+        .compile_protos(&["proto/engine.proto"], &["proto"])?;
+    Ok(())
+}

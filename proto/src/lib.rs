@@ -1,0 +1,30 @@
+//! `pegaflow-proto`: the generated types and gRPC stubs of `engine.proto`.
+//!
+//! The Engine service is byte-compatible with the published PegaFlow client 0.25.1
+//! (`shared/protocol/engine-wire.md`); this project's extensions live on field numbers ≥ 100
+//! so that a 0.25.1 client neither sends nor misreads them.
+
+#![allow(clippy::all, missing_docs)]
+
+/// Everything generated from `package pegaflow`.
+pub mod pegaflow {
+    tonic::include_proto!("pegaflow");
+}
+
+pub use pegaflow::*;
+
+/// The client version string the published Python client sends in
+/// `RegisterContextRequest.client_version` (field 15). Accepted by the server.
+pub const PUBLISHED_CLIENT_VERSION: &str = "0.25.1";
+
+/// The revision of this project's native registration wire (fields ≥ 100 of
+/// `RegisterContextRequest`). It is part of [`NATIVE_CLIENT_VERSION`], so a native client of
+/// another revision is refused before any of its fields is interpreted.
+pub const NATIVE_WIRE_REVISION: &str = "native-v1";
+
+/// The `client_version` this project's Rust client sends: the published protocol version it
+/// speaks plus the native wire revision, e.g. `0.25.1+native-v1`.
+pub const NATIVE_CLIENT_VERSION: &str = "0.25.1+native-v1";
+
+/// Largest gRPC message accepted or sent, in bytes (64 MiB, as the published client).
+pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;
