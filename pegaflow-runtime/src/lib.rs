@@ -7,6 +7,7 @@
 
 pub mod buffer;
 pub mod config;
+pub mod fault;
 pub mod fd_channel;
 pub mod plugin;
 

@@ -1,0 +1,1 @@
+//! Fault-injecting wrappers (placeholder; being implemented).
