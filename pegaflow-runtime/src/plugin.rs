@@ -45,6 +45,21 @@ pub trait Tier: Send + Sync + 'static {
     /// `None` when fewer than `footprint_bytes(len)` bytes are free; the engine then evicts
     /// and retries. Tiers that are not host-addressable return `None`.
     fn allocate(&self, len: usize) -> Option<HostBuffer>;
+    /// Allocates one buffer per entry of `lens`, all or nothing. A tier that can should carve
+    /// them from one contiguous range (in order), so that a transport sees one large host range
+    /// for a whole Save batch while each block can still be freed on its own.
+    fn allocate_batch(&self, lens: &[usize]) -> Option<Vec<HostBuffer>> {
+        let mut out = Vec::with_capacity(lens.len());
+        for &l in lens {
+            out.push(self.allocate(l)?);
+        }
+        Some(out)
+    }
+    /// Host-addressable tiers: the (address, length) ranges backing the tier, so that a
+    /// transport can register (pin) them with a device. Empty for other tiers.
+    fn backing_ranges(&self) -> Vec<(usize, usize)> {
+        Vec::new()
+    }
     /// Gives memory that no live buffer uses back to the OS (after a cleanup); best effort.
     fn trim(&self) {}
 }
@@ -250,12 +265,19 @@ pub trait Transport: Send + Sync + 'static {
 pub struct RuntimeContext {
     /// The fd side channel, when configured.
     pub fd_channel: Option<Arc<FdChannel>>,
+    /// The landing (host-addressable) tier, built before transports and registrars, so that a
+    /// device transport can pin its [`Tier::backing_ranges`].
+    pub landing_tier: Option<Arc<dyn Tier>>,
+    /// CUDA devices the operator asked for (`--devices`); `None` = all the driver reports.
+    pub devices: Option<Vec<i32>>,
 }
 
 impl std::fmt::Debug for RuntimeContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RuntimeContext")
             .field("fd_channel", &self.fd_channel.as_ref().map(|c| c.path().to_path_buf()))
+            .field("landing_tier", &self.landing_tier.as_ref().map(|t| t.kind()))
+            .field("devices", &self.devices)
             .finish()
     }
 }
