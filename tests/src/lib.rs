@@ -1,1 +1,3 @@
 //! Cross-crate integration tests: shared harness.
+
+pub mod tier_suite;

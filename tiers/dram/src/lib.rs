@@ -1,1 +1,318 @@
-//! placeholder
+//! `pegaflow-tier-dram`: the host-DRAM landing tier (pipeline kind `dram`).
+//!
+//! Owns: one anonymous mapping of the configured capacity (`MAP_NORESERVE`, so the kernel
+//! commits pages lazily and a 30 GiB pool starts on a machine with less free memory), split
+//! into `shards` independently locked sub-pools, and the allocator that hands out
+//! [`HostBuffer`]s from it in 512-byte granules. Transports copy straight into these buffers
+//! on Save and out of them on Load; a CUDA transport pins [`Tier::backing_ranges`].
+//!
+//! Must never: hand one byte to two live buffers, fail an allocation because of fragmentation
+//! (when no single free range fits, several are gathered into one buffer), report a wrong
+//! used-byte count, or give memory back to the OS (`trim`) that a live buffer uses. It does
+//! not decide what to evict: the engine's block index does, and frees buffers by dropping them.
+//!
+//! Settings (the `[[tier]]` table): `capacity` (size string or bytes, default `"30gb"`),
+//! `shards` (default 1), `eviction` (only `"lru"` in this build).
+
+mod freelist;
+mod pool;
+
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use pegaflow_runtime::config::size_setting;
+use pegaflow_runtime::{
+    HostBuffer, PluginOption, RuntimeContext, Tier, TierCapabilities, TierFactory,
+};
+
+pub use pool::{GRANULE, TRIM_MIN_EXTENT};
+
+use pool::{footprint, Pool};
+
+/// Default capacity in bytes: `"30gb"` (30 GiB), PegaFlow's `--pool-size` default.
+pub const DEFAULT_CAPACITY: u64 = 30 << 30;
+
+/// Most shards a pool may be split into.
+pub const MAX_SHARDS: usize = 4096;
+
+/// The setting keys a `dram` tier table may hold.
+pub const SETTING_KEYS: &[&str] = &["capacity", "shards", "eviction"];
+
+/// Which resident blocks the engine evicts first under memory pressure.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum Eviction {
+    /// Least recently used first.
+    #[default]
+    Lru,
+}
+
+impl Eviction {
+    /// The policies this build supports, as they are spelled in the pipeline.
+    pub const SUPPORTED: &'static [&'static str] = &["lru"];
+
+    /// Parses a pipeline value (case-insensitive).
+    ///
+    /// # Errors
+    /// Any policy other than `lru` (e.g. `tinylfu`), naming what this build supports.
+    pub fn parse(s: &str) -> anyhow::Result<Self> {
+        match s.trim().to_ascii_lowercase().as_str() {
+            "lru" => Ok(Eviction::Lru),
+            _ => bail!(
+                "dram tier: eviction = {s:?} is not supported by this build; supported: {}",
+                Self::SUPPORTED
+                    .iter()
+                    .map(|p| format!("{p:?}"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
+            ),
+        }
+    }
+
+    /// The pipeline spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Eviction::Lru => "lru",
+        }
+    }
+}
+
+/// A `dram` tier's settings.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct DramSettings {
+    /// Pool size in bytes; rounded down to [`GRANULE`] when the pool is built.
+    pub capacity: u64,
+    /// Independently locked sub-pools (≥ 1); allocations go round-robin with fallback.
+    pub shards: usize,
+    /// Eviction policy the engine applies to this tier.
+    pub eviction: Eviction,
+}
+
+impl Default for DramSettings {
+    fn default() -> Self {
+        Self {
+            capacity: DEFAULT_CAPACITY,
+            shards: 1,
+            eviction: Eviction::Lru,
+        }
+    }
+}
+
+impl DramSettings {
+    /// Reads the settings from a pipeline `[[tier]]` table (a `kind` key is ignored).
+    ///
+    /// # Errors
+    /// An unknown key (the message lists the valid keys), a malformed `capacity`, a `shards`
+    /// that is not an integer ≥ 1, or an unsupported `eviction`.
+    pub fn from_table(table: &toml::Table) -> anyhow::Result<Self> {
+        for key in table.keys() {
+            if key != "kind" && !SETTING_KEYS.contains(&key.as_str()) {
+                bail!(
+                    "dram tier: unknown setting {key:?}; valid settings: {}",
+                    SETTING_KEYS.join(", ")
+                );
+            }
+        }
+        let mut s = Self::default();
+        if let Some(c) = size_setting(table, "capacity").context("dram tier")? {
+            s.capacity = c;
+        }
+        match table.get("shards") {
+            None => {}
+            Some(toml::Value::Integer(i)) if *i >= 1 => {
+                s.shards = usize::try_from(*i).context("dram tier: shards out of range")?;
+            }
+            Some(v) => bail!("dram tier: shards must be an integer >= 1, got {v}"),
+        }
+        match table.get("eviction") {
+            None => {}
+            Some(toml::Value::String(p)) => s.eviction = Eviction::parse(p)?,
+            Some(v) => bail!("dram tier: eviction must be a string (supported: \"lru\"), got {v}"),
+        }
+        Ok(s)
+    }
+}
+
+fn describe_bytes(n: u64) -> String {
+    format!("{n} bytes ({:.2} GiB)", n as f64 / (1u64 << 30) as f64)
+}
+
+/// The host-DRAM landing tier. Cheap to share behind an `Arc`; every method is thread-safe.
+#[derive(Debug)]
+pub struct DramTier {
+    pool: Arc<Pool>,
+    settings: DramSettings,
+}
+
+impl DramTier {
+    /// Maps the pool described by `settings`. Nothing is committed until buffers are written.
+    ///
+    /// # Errors
+    /// A capacity below one [`GRANULE`] (after rounding down) or beyond the address space,
+    /// `shards` of 0, above [`MAX_SHARDS`] or above the number of granules, and a failed
+    /// `mmap` (with the OS error).
+    pub fn new(settings: DramSettings) -> anyhow::Result<Self> {
+        let capacity = usize::try_from(settings.capacity)
+            .ok()
+            .map(|c| c / GRANULE * GRANULE)
+            .filter(|&c| c > 0)
+            .with_context(|| {
+                format!(
+                    "dram tier: capacity {} must be at least {GRANULE} bytes and fit the address space",
+                    describe_bytes(settings.capacity)
+                )
+            })?;
+        let granules = capacity / GRANULE;
+        if settings.shards == 0 || settings.shards > MAX_SHARDS || settings.shards > granules {
+            bail!(
+                "dram tier: shards = {} is out of range: it must be between 1 and {} for a capacity of {}",
+                settings.shards,
+                MAX_SHARDS.min(granules),
+                describe_bytes(capacity as u64)
+            );
+        }
+        let pool = Pool::new(capacity, settings.shards).with_context(|| {
+            format!(
+                "dram tier: cannot reserve {} of address space (anonymous mmap with MAP_NORESERVE); \
+                 check `ulimit -v` and vm.overcommit_memory, or lower the capacity",
+                describe_bytes(capacity as u64)
+            )
+        })?;
+        tracing::info!(
+            capacity_bytes = capacity,
+            shards = settings.shards,
+            eviction = settings.eviction.name(),
+            "dram tier mapped (committed lazily)"
+        );
+        Ok(Self {
+            pool: Arc::new(pool),
+            settings,
+        })
+    }
+
+    /// A tier of `capacity` bytes with default settings otherwise.
+    ///
+    /// # Errors
+    /// As [`DramTier::new`].
+    pub fn with_capacity(capacity: u64) -> anyhow::Result<Self> {
+        Self::new(DramSettings {
+            capacity,
+            ..DramSettings::default()
+        })
+    }
+
+    /// The settings the tier was built with (`capacity` as configured, not rounded).
+    pub fn settings(&self) -> DramSettings {
+        self.settings
+    }
+
+    /// The eviction policy the engine should apply.
+    pub fn eviction(&self) -> Eviction {
+        self.settings.eviction
+    }
+
+    /// Number of shards.
+    pub fn shard_count(&self) -> usize {
+        self.pool.shard_count()
+    }
+
+    /// Free bytes of each shard (a snapshot).
+    pub fn free_bytes_per_shard(&self) -> Vec<usize> {
+        self.pool.free_per_shard()
+    }
+
+    /// Number of free ranges of each shard (a snapshot); 1 per shard when nothing is allocated.
+    pub fn free_extents_per_shard(&self) -> Vec<usize> {
+        self.pool.free_extents_per_shard()
+    }
+
+    /// Length in bytes of the largest free range of any shard: the largest allocation that
+    /// is served as one contiguous extent.
+    pub fn largest_free_extent(&self) -> usize {
+        self.pool.largest_free()
+    }
+
+    /// Returns free ranges of at least [`TRIM_MIN_EXTENT`] bytes to the OS
+    /// (`MADV_DONTNEED`); they read as zeros when next used. Returns the bytes advised.
+    pub fn trim_free_memory(&self) -> u64 {
+        self.pool.trim()
+    }
+}
+
+impl Tier for DramTier {
+    fn kind(&self) -> &'static str {
+        "dram"
+    }
+
+    fn capabilities(&self) -> TierCapabilities {
+        TierCapabilities {
+            host_addressable: true,
+            ..TierCapabilities::default()
+        }
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.pool.capacity() as u64
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.pool.used() as u64
+    }
+
+    fn footprint_bytes(&self, len: usize) -> u64 {
+        footprint(len).map_or(u64::MAX, |f| f as u64)
+    }
+
+    fn allocate(&self, len: usize) -> Option<HostBuffer> {
+        self.pool.allocate_batch(&[len])?.pop()
+    }
+
+    fn allocate_batch(&self, lens: &[usize]) -> Option<Vec<HostBuffer>> {
+        self.pool.allocate_batch(lens)
+    }
+
+    fn backing_ranges(&self) -> Vec<(usize, usize)> {
+        vec![self.pool.backing()]
+    }
+
+    fn trim(&self) {
+        let advised = self.pool.trim();
+        tracing::debug!(advised_bytes = advised, "dram tier trimmed");
+    }
+}
+
+/// The `dram` factory's constructor: [`DramSettings::from_table`] then [`DramTier::new`].
+///
+/// # Errors
+/// As those two.
+pub fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Tier>> {
+    let settings = DramSettings::from_table(table)?;
+    Ok(Arc::new(DramTier::new(settings)?))
+}
+
+inventory::submit! {
+    TierFactory {
+        kind: "dram",
+        summary: "host-DRAM landing tier: one lazily committed anonymous mapping, 512-byte granules, sharded allocator",
+        options: &[
+            PluginOption {
+                name: "capacity",
+                default: "\"30gb\"",
+                help: "pool size: a size string (\"30gb\", \"512mib\") or bytes; rounded down to 512 bytes, committed as it is used",
+            },
+            PluginOption {
+                name: "shards",
+                default: "1",
+                help: "independently locked sub-pools, used round-robin with fallback",
+            },
+            PluginOption {
+                name: "eviction",
+                default: "\"lru\"",
+                help: "eviction policy; this build supports \"lru\" only",
+            },
+        ],
+        build,
+    }
+}
+
+#[cfg(test)]
+mod tests;

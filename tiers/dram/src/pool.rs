@@ -1,0 +1,416 @@
+//! The DRAM pool: one anonymous mapping cut into shards, and the allocator over it.
+//!
+//! Owns: the mapping (unmapped when the last [`HostBuffer`] and the tier are gone), the
+//! per-shard free lists, the exact used-byte count, and the translation between extents
+//! handed out and the granule-rounded ranges reserved for them.
+//!
+//! Must never: hand the same byte to two live buffers, hand out a byte outside the mapping,
+//! fail an allocation because of fragmentation while a shard (or, as a last resort, the pool)
+//! has enough free bytes, or give memory back to the OS (`MADV_DONTNEED`) that a live buffer
+//! uses.
+
+use std::io;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::Arc;
+
+use parking_lot::Mutex;
+use pegaflow_runtime::{Extent, HostBuffer, HostMemory};
+
+use crate::freelist::FreeList;
+
+/// Allocation unit in bytes: every allocation's footprint is its length rounded up to this.
+pub const GRANULE: usize = 512;
+
+/// Free extents at least this long (bytes) are returned to the OS by `trim`.
+pub const TRIM_MIN_EXTENT: usize = 2 << 20;
+
+/// `trim` advises at most this many bytes per lock hold, so allocations are not stalled.
+const TRIM_CHUNK: usize = 64 << 20;
+
+/// `len` rounded up to the granule; `None` on overflow.
+pub(crate) fn footprint(len: usize) -> Option<usize> {
+    len.checked_next_multiple_of(GRANULE)
+}
+
+/// An anonymous, lazily committed mapping.
+#[derive(Debug)]
+struct Mapping {
+    addr: usize,
+    len: usize,
+}
+
+impl Mapping {
+    /// Maps `len` bytes read-write, private, anonymous, without reserving swap: the kernel
+    /// commits pages on first touch.
+    fn anonymous(len: usize) -> io::Result<Self> {
+        // SAFETY: a fresh anonymous mapping at a kernel-chosen address aliases nothing.
+        let p = unsafe {
+            libc::mmap(
+                std::ptr::null_mut(),
+                len,
+                libc::PROT_READ | libc::PROT_WRITE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                -1,
+                0,
+            )
+        };
+        if p == libc::MAP_FAILED {
+            return Err(io::Error::last_os_error());
+        }
+        Ok(Self {
+            addr: p as usize,
+            len,
+        })
+    }
+}
+
+impl Drop for Mapping {
+    fn drop(&mut self) {
+        // SAFETY: the range is exactly the mapping created in `anonymous`; the pool (which
+        // owns it) is only dropped once no buffer into it is alive.
+        let rc = unsafe { libc::munmap(self.addr as *mut libc::c_void, self.len) };
+        if rc != 0 {
+            tracing::error!(
+                addr = self.addr,
+                len = self.len,
+                err = %io::Error::last_os_error(),
+                "munmap of the dram pool failed"
+            );
+        }
+    }
+}
+
+/// One independently locked sub-pool: `[start, start + len)` of the mapping (offsets).
+#[derive(Debug)]
+struct Shard {
+    start: usize,
+    len: usize,
+    free: Mutex<FreeList>,
+}
+
+impl Shard {
+    fn holds(&self, offset: usize, len: usize) -> bool {
+        offset >= self.start
+            && offset
+                .checked_add(len)
+                .is_some_and(|e| e <= self.start + self.len)
+    }
+}
+
+/// The pool behind a [`crate::DramTier`]; also the [`HostMemory`] its buffers return to.
+#[derive(Debug)]
+pub(crate) struct Pool {
+    map: Mapping,
+    capacity: usize,
+    shards: Box<[Shard]>,
+    next_shard: AtomicUsize,
+    used: AtomicUsize,
+}
+
+impl Pool {
+    /// Maps `capacity` bytes (a multiple of [`GRANULE`], > 0) split into `shards` sub-pools
+    /// (1 ≤ `shards` ≤ `capacity / GRANULE`).
+    pub(crate) fn new(capacity: usize, shards: usize) -> io::Result<Self> {
+        debug_assert!(capacity > 0 && capacity.is_multiple_of(GRANULE));
+        debug_assert!(shards >= 1 && shards <= capacity / GRANULE);
+        let map = Mapping::anonymous(capacity)?;
+        let granules = capacity / GRANULE;
+        let (per, extra) = (granules / shards, granules % shards);
+        let mut start = 0;
+        let shards: Box<[Shard]> = (0..shards)
+            .map(|i| {
+                let len = (per + usize::from(i < extra)) * GRANULE;
+                let s = Shard {
+                    start,
+                    len,
+                    free: Mutex::new(FreeList::new(start, len)),
+                };
+                start += len;
+                s
+            })
+            .collect();
+        debug_assert_eq!(start, capacity);
+        Ok(Self {
+            map,
+            capacity,
+            shards,
+            next_shard: AtomicUsize::new(0),
+            used: AtomicUsize::new(0),
+        })
+    }
+
+    pub(crate) fn capacity(&self) -> usize {
+        self.capacity
+    }
+
+    pub(crate) fn used(&self) -> usize {
+        self.used.load(Ordering::Relaxed)
+    }
+
+    pub(crate) fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// `(addr, len)` of the mapping.
+    pub(crate) fn backing(&self) -> (usize, usize) {
+        (self.map.addr, self.capacity)
+    }
+
+    /// Free bytes per shard (each under its lock; a snapshot).
+    pub(crate) fn free_per_shard(&self) -> Vec<usize> {
+        self.shards
+            .iter()
+            .map(|s| s.free.lock().free_bytes())
+            .collect()
+    }
+
+    /// Free ranges per shard.
+    pub(crate) fn free_extents_per_shard(&self) -> Vec<usize> {
+        self.shards
+            .iter()
+            .map(|s| s.free.lock().extent_count())
+            .collect()
+    }
+
+    /// The largest free range of any shard, in bytes.
+    pub(crate) fn largest_free(&self) -> usize {
+        self.shards
+            .iter()
+            .map(|s| s.free.lock().largest())
+            .max()
+            .unwrap_or(0)
+    }
+
+    fn shard_index(&self, offset: usize) -> usize {
+        self.shards
+            .partition_point(|s| s.start <= offset)
+            .saturating_sub(1)
+    }
+
+    /// Reserves `total` bytes (a granule multiple) and returns the pieces `(offset, len)`.
+    ///
+    /// Order of preference: one best-fit range in some shard (round-robin start); several
+    /// ranges of one shard, largest first; as a last resort, ranges of several shards.
+    /// `None` only when the free bytes of the whole pool are fewer than `total`.
+    fn reserve(&self, total: usize) -> Option<Vec<(usize, usize)>> {
+        let mut pieces = Vec::new();
+        if total == 0 {
+            return Some(pieces);
+        }
+        if total > self.capacity.saturating_sub(self.used()) {
+            return None;
+        }
+        let n = self.shards.len();
+        let first = if n == 1 {
+            0
+        } else {
+            self.next_shard.fetch_add(1, Ordering::Relaxed) % n
+        };
+        let order = (0..n).map(|i| (first + i) % n);
+        if n == 1 {
+            let mut fl = self.shards[0].free.lock();
+            if fl.free_bytes() < total {
+                return None;
+            }
+            match fl.take_best_fit(total) {
+                Some(off) => pieces.push((off, total)),
+                None => {
+                    fl.take_largest_first(total, &mut pieces);
+                }
+            }
+        } else if let Some(off) = order.clone().find_map(|i| {
+            let mut fl = self.shards[i].free.lock();
+            if fl.free_bytes() < total {
+                return None;
+            }
+            fl.take_best_fit(total)
+        }) {
+            pieces.push((off, total));
+        } else if order.clone().any(|i| {
+            let mut fl = self.shards[i].free.lock();
+            fl.free_bytes() >= total && fl.take_largest_first(total, &mut pieces) == total
+        }) {
+            // Gathered inside one shard.
+        } else {
+            let mut left = total;
+            for i in order {
+                if left == 0 {
+                    break;
+                }
+                left -= self.shards[i]
+                    .free
+                    .lock()
+                    .take_largest_first(left, &mut pieces);
+            }
+            if left > 0 {
+                // Concurrent allocations took the bytes this one counted on.
+                self.unreserve(&pieces);
+                return None;
+            }
+        }
+        self.used.fetch_add(total, Ordering::Relaxed);
+        Some(pieces)
+    }
+
+    /// Gives back pieces that `reserve` took but never handed out (`used` was not counted).
+    fn unreserve(&self, pieces: &[(usize, usize)]) {
+        for &(off, len) in pieces {
+            let shard = &self.shards[self.shard_index(off)];
+            if shard.free.lock().give_back(off, len).is_err() {
+                tracing::error!(off, len, "dram pool: unreserved range overlaps free memory");
+            }
+        }
+    }
+
+    /// Cuts `pieces` (granule-aligned, in order) into one extent list per entry of `lens`,
+    /// each reserving `footprint(len)` bytes with its last extent trimmed to `len`.
+    fn carve(&self, pieces: &[(usize, usize)], lens: &[usize]) -> Vec<Vec<Extent>> {
+        let mut out = Vec::with_capacity(lens.len());
+        let (mut pi, mut used_in_piece) = (0, 0);
+        for &len in lens {
+            let fp = footprint(len).unwrap_or(usize::MAX);
+            let mut ext = Vec::with_capacity(1);
+            let mut need = fp;
+            while need > 0 {
+                let (off, plen) = pieces[pi];
+                let take = (plen - used_in_piece).min(need);
+                ext.push(Extent {
+                    addr: self.map.addr + off + used_in_piece,
+                    len: take,
+                });
+                used_in_piece += take;
+                need -= take;
+                if used_in_piece == plen {
+                    pi += 1;
+                    used_in_piece = 0;
+                }
+            }
+            if let Some(last) = ext.last_mut() {
+                // The last extent holds at least one whole granule, so this stays > 0.
+                last.len -= fp - len;
+            }
+            out.push(ext);
+        }
+        out
+    }
+
+    /// One buffer per entry of `lens`, all or nothing, carved in order from as few ranges
+    /// as the free space allows (one, when a single free range holds the whole batch).
+    pub(crate) fn allocate_batch(self: &Arc<Self>, lens: &[usize]) -> Option<Vec<HostBuffer>> {
+        let mut total = 0usize;
+        for &len in lens {
+            total = total.checked_add(footprint(len)?)?;
+        }
+        let pieces = self.reserve(total)?;
+        let owner: Arc<dyn HostMemory> = self.clone();
+        Some(
+            self.carve(&pieces, lens)
+                .into_iter()
+                .map(|ext| HostBuffer::new(ext, owner.clone()))
+                .collect(),
+        )
+    }
+
+    /// Checks a returned extent and gives the offset and reserved length it stands for.
+    fn reserved_range(&self, e: &Extent) -> Option<(usize, usize)> {
+        let off = e.addr.checked_sub(self.map.addr)?;
+        let len = footprint(e.len)?;
+        let ok = e.len > 0 && off.is_multiple_of(GRANULE) && off.checked_add(len)? <= self.capacity;
+        ok.then_some((off, len))
+    }
+
+    /// Madvises free ranges of at least [`TRIM_MIN_EXTENT`] bytes away; returns bytes advised.
+    pub(crate) fn trim(&self) -> u64 {
+        // SAFETY: sysconf has no memory-safety preconditions.
+        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+            .ok()
+            .filter(|&p| p.is_power_of_two() && p >= GRANULE)
+            .unwrap_or(4096);
+        let mut advised = 0u64;
+        for shard in self.shards.iter() {
+            let candidates: Vec<(usize, usize)> = shard
+                .free
+                .lock()
+                .ranges()
+                .filter(|&(_, l)| l >= TRIM_MIN_EXTENT)
+                .collect();
+            for (off, len) in candidates {
+                // The mapping is page-aligned, so page-aligned offsets are page-aligned addresses.
+                let mut a = off.next_multiple_of(page);
+                let end = (off + len) / page * page;
+                while a < end {
+                    let c = (end - a).min(TRIM_CHUNK);
+                    let fl = shard.free.lock();
+                    // Re-checked under the lock: the range may have been allocated meanwhile.
+                    if fl.contains(a, c) {
+                        // SAFETY: `[a, a + c)` lies inside the mapping and inside a free range
+                        // while the shard lock is held, so no live buffer can be touched;
+                        // MADV_DONTNEED on a private anonymous mapping just drops the pages.
+                        let rc = unsafe {
+                            libc::madvise(
+                                (self.map.addr + a) as *mut libc::c_void,
+                                c,
+                                libc::MADV_DONTNEED,
+                            )
+                        };
+                        if rc == 0 {
+                            advised += c as u64;
+                        }
+                    }
+                    drop(fl);
+                    a += c;
+                }
+            }
+        }
+        advised
+    }
+}
+
+impl HostMemory for Pool {
+    fn release(&self, extents: &[Extent]) {
+        let Some(first) = extents.first() else {
+            return;
+        };
+        let mut ranges = Vec::with_capacity(extents.len());
+        for e in extents {
+            match self.reserved_range(e) {
+                Some(r) => ranges.push(r),
+                None => tracing::error!(
+                    addr = e.addr,
+                    len = e.len,
+                    "dram pool: released extent is not one of ours; leaked"
+                ),
+            }
+        }
+        let total: usize = ranges.iter().map(|r| r.1).sum();
+        // Counted down before the bytes are free again, so `used` never over-reports free
+        // memory to a concurrent allocation.
+        self.used.fetch_sub(total, Ordering::Relaxed);
+        let home = self.shard_index(first.addr.wrapping_sub(self.map.addr));
+        let home_shard = &self.shards[home];
+        let mut refused = 0;
+        if ranges.iter().all(|&(o, l)| home_shard.holds(o, l)) {
+            // The usual case: the whole buffer lives in one shard; one lock.
+            let mut fl = home_shard.free.lock();
+            for &(o, l) in &ranges {
+                if fl.give_back(o, l).is_err() {
+                    refused += l;
+                }
+            }
+        } else {
+            for &(o, l) in &ranges {
+                let shard = &self.shards[self.shard_index(o)];
+                if !shard.holds(o, l) || shard.free.lock().give_back(o, l).is_err() {
+                    refused += l;
+                }
+            }
+        }
+        if refused > 0 {
+            self.used.fetch_add(refused, Ordering::Relaxed);
+            tracing::error!(
+                bytes = refused,
+                "dram pool: released extents overlap free memory (double free?); ignored"
+            );
+        }
+    }
+}
