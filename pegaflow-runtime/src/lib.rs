@@ -6,6 +6,9 @@
 //! no backend: backends depend on it and register through `inventory`.
 
 pub mod buffer;
+pub mod engine;
+pub mod error;
+pub mod metrics;
 pub mod config;
 pub mod fault;
 pub mod fd_channel;
@@ -13,3 +16,9 @@ pub mod plugin;
 
 pub use buffer::{Extent, HostBuffer, HostMemory};
 pub use plugin::*;
+
+pub mod http;
+pub mod server;
+pub mod service;
+
+pub use server::{init_logging, run, start, ServerHandle};

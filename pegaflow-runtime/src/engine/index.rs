@@ -1,0 +1,316 @@
+//! The block index: sealed blocks by `(namespace, group, hash)`, with exact LRU order.
+//!
+//! Owns: the only strong reference to a resident block besides leases and running loads.
+//! Must never: evict (or de-index) a block someone else holds — a lease, a load in flight —
+//! which is exactly "its `Arc` has more than one strong reference".
+//!
+//! The map is split into shards, each behind its own mutex, so a query never holds one lock
+//! across its whole hash list. Recency is a global counter stamped on every touch; eviction
+//! takes the smallest stamp among evictable entries of all shards, so the order is exact LRU.
+
+use std::collections::BTreeMap;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+use std::time::Instant;
+
+use hashbrown::{Equivalent, HashMap};
+use parking_lot::Mutex;
+
+use crate::buffer::HostBuffer;
+
+const SHARDS: usize = 16;
+
+/// One stored slot of a sealed block: `len` bytes at `offset` in `buf`.
+#[derive(Debug, Clone)]
+pub struct Slot {
+    /// The host buffer holding the bytes (shared by the slots of one block's save).
+    pub buf: Arc<HostBuffer>,
+    /// Offset in `buf`, in bytes.
+    pub offset: usize,
+    /// Length in bytes.
+    pub len: usize,
+}
+
+/// An immutable, complete block: every slot of its group saved.
+#[derive(Debug)]
+pub struct SealedBlock {
+    /// The storage group the block belongs to.
+    pub group: u32,
+    /// Slots by slot index.
+    pub slots: Box<[Slot]>,
+    /// Host-pool bytes the block occupies (after the tier's rounding).
+    pub footprint: u64,
+    /// When it was sealed.
+    pub sealed_at: Instant,
+}
+
+/// An owned index key.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct BlockKey {
+    /// Cache namespace.
+    pub namespace: Arc<str>,
+    /// Storage group.
+    pub group: u32,
+    /// The engine's content hash (opaque bytes).
+    pub hash: Box<[u8]>,
+}
+
+/// A borrowed key, hashing exactly like [`BlockKey`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub struct KeyRef<'a> {
+    /// Cache namespace.
+    pub namespace: &'a str,
+    /// Storage group.
+    pub group: u32,
+    /// The hash.
+    pub hash: &'a [u8],
+}
+
+impl Equivalent<BlockKey> for KeyRef<'_> {
+    fn equivalent(&self, key: &BlockKey) -> bool {
+        self.group == key.group && *self.namespace == *key.namespace && self.hash == &*key.hash
+    }
+}
+
+impl BlockKey {
+    fn as_ref(&self) -> KeyRef<'_> {
+        KeyRef {
+            namespace: &self.namespace,
+            group: self.group,
+            hash: &self.hash,
+        }
+    }
+}
+
+// `Hash` of BlockKey (Arc<str>, u32, Box<[u8]>) and KeyRef (&str, u32, &[u8]) feed the hasher
+// the same sequence, so the derived impls agree, as Equivalent requires.
+
+struct Entry {
+    block: Arc<SealedBlock>,
+    stamp: u64,
+}
+
+#[derive(Default)]
+struct Shard {
+    map: HashMap<BlockKey, Entry>,
+    lru: BTreeMap<u64, BlockKey>,
+}
+
+/// What an eviction removed.
+#[derive(Debug)]
+pub struct Evicted {
+    /// The block (dropping it frees its memory unless still referenced).
+    pub block: Arc<SealedBlock>,
+}
+
+/// The sharded index.
+pub struct BlockIndex {
+    shards: Vec<Mutex<Shard>>,
+    clock: AtomicU64,
+    hasher: hashbrown::DefaultHashBuilder,
+    resident_bytes: AtomicU64,
+    resident_blocks: AtomicU64,
+}
+
+impl std::fmt::Debug for BlockIndex {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BlockIndex")
+            .field("blocks", &self.resident_blocks())
+            .finish()
+    }
+}
+
+impl Default for BlockIndex {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl BlockIndex {
+    /// An empty index.
+    pub fn new() -> Self {
+        Self {
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
+            clock: AtomicU64::new(1),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+            resident_bytes: AtomicU64::new(0),
+            resident_blocks: AtomicU64::new(0),
+        }
+    }
+
+    fn shard(&self, key: &KeyRef<'_>) -> &Mutex<Shard> {
+        let mut h = self.hasher.build_hasher();
+        key.hash(&mut h);
+        &self.shards[(h.finish() as usize) % SHARDS]
+    }
+
+    fn tick(&self) -> u64 {
+        self.clock.fetch_add(1, Ordering::Relaxed)
+    }
+
+    /// Looks a block up and, when found, marks it most recently used.
+    pub fn get_touch(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
+        let mut s = self.shard(&key).lock();
+        let s = &mut *s;
+        let (k, e) = s.map.get_key_value_mut(&key)?;
+        let stamp = self.tick();
+        if let Some(kk) = s.lru.remove(&e.stamp) {
+            s.lru.insert(stamp, kk);
+        } else {
+            s.lru.insert(stamp, k.clone());
+        }
+        e.stamp = stamp;
+        Some(e.block.clone())
+    }
+
+    /// Whether a block is resident (no recency change).
+    pub fn contains(&self, key: KeyRef<'_>) -> bool {
+        self.shard(&key).lock().map.contains_key(&key)
+    }
+
+    /// Inserts a sealed block as most recently used. Returns false (and keeps the existing
+    /// block) when the key is already resident: content-addressed blocks never overwrite.
+    pub fn insert(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
+        let kr = key.as_ref();
+        let shard = self.shard(&kr);
+        let mut s = shard.lock();
+        if s.map.contains_key(&kr) {
+            return false;
+        }
+        let stamp = self.tick();
+        let fp = block.footprint;
+        s.lru.insert(stamp, key.clone());
+        s.map.insert(key, Entry { block, stamp });
+        self.resident_bytes.fetch_add(fp, Ordering::Relaxed);
+        self.resident_blocks.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Removes the least recently used block that nobody else holds. `None` when every
+    /// resident block is referenced (leased or loading) or the index is empty.
+    pub fn evict_lru(&self) -> Option<Evicted> {
+        loop {
+            // Find the globally oldest evictable entry.
+            let mut best: Option<(u64, usize)> = None;
+            for (i, sh) in self.shards.iter().enumerate() {
+                let s = sh.lock();
+                for (&stamp, key) in s.lru.iter() {
+                    if best.is_some_and(|(b, _)| b < stamp) {
+                        break;
+                    }
+                    let e = &s.map[key];
+                    if Arc::strong_count(&e.block) == 1 {
+                        best = Some((stamp, i));
+                        break;
+                    }
+                }
+            }
+            let (stamp, i) = best?;
+            let mut s = self.shards[i].lock();
+            // Re-check under the lock: the entry may have been touched or leased meanwhile.
+            let Some(key) = s.lru.get(&stamp).cloned() else {
+                continue;
+            };
+            if Arc::strong_count(&s.map[&key].block) != 1 {
+                continue;
+            }
+            s.lru.remove(&stamp);
+            let e = s.map.remove(&key).expect("lru and map agree");
+            self.resident_bytes
+                .fetch_sub(e.block.footprint, Ordering::Relaxed);
+            self.resident_blocks.fetch_sub(1, Ordering::Relaxed);
+            return Some(Evicted { block: e.block });
+        }
+    }
+
+    /// Removes every block (the memory-cleanup endpoint), referenced or not. Referenced blocks
+    /// stay allocated until their holders drop them.
+    pub fn clear(&self) -> Vec<Arc<SealedBlock>> {
+        let mut out = Vec::new();
+        for sh in &self.shards {
+            let mut s = sh.lock();
+            s.lru.clear();
+            for (_, e) in s.map.drain() {
+                out.push(e.block);
+            }
+        }
+        let bytes: u64 = out.iter().map(|b| b.footprint).sum();
+        self.resident_bytes.fetch_sub(bytes, Ordering::Relaxed);
+        self.resident_blocks
+            .fetch_sub(out.len() as u64, Ordering::Relaxed);
+        out
+    }
+
+    /// Footprint of resident blocks, in bytes.
+    pub fn resident_bytes(&self) -> u64 {
+        self.resident_bytes.load(Ordering::Relaxed)
+    }
+
+    /// Number of resident blocks.
+    pub fn resident_blocks(&self) -> u64 {
+        self.resident_blocks.load(Ordering::Relaxed)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn block(fp: u64) -> Arc<SealedBlock> {
+        Arc::new(SealedBlock {
+            group: 0,
+            slots: Box::new([]),
+            footprint: fp,
+            sealed_at: Instant::now(),
+        })
+    }
+
+    fn key(ns: &str, h: u8) -> BlockKey {
+        BlockKey {
+            namespace: ns.into(),
+            group: 0,
+            hash: vec![h].into(),
+        }
+    }
+
+    #[test]
+    fn lru_order_and_touch() {
+        let ix = BlockIndex::new();
+        for h in 0..5 {
+            assert!(ix.insert(key("a", h), block(10)));
+        }
+        assert!(!ix.insert(key("a", 0), block(10)), "no overwrite");
+        // Touch 0: now 1 is the oldest.
+        let r = KeyRef { namespace: "a", group: 0, hash: &[0] };
+        assert!(ix.get_touch(r).is_some());
+        let e = ix.evict_lru().unwrap();
+        drop(e);
+        assert!(!ix.contains(KeyRef { namespace: "a", group: 0, hash: &[1] }));
+        assert!(ix.contains(KeyRef { namespace: "a", group: 0, hash: &[0] }));
+        assert_eq!(ix.resident_blocks(), 4);
+        assert_eq!(ix.resident_bytes(), 40);
+    }
+
+    #[test]
+    fn referenced_blocks_are_never_evicted() {
+        let ix = BlockIndex::new();
+        ix.insert(key("a", 1), block(1));
+        ix.insert(key("a", 2), block(1));
+        let held = ix.get_touch(KeyRef { namespace: "a", group: 0, hash: &[1] }).unwrap();
+        let held2 = ix.get_touch(KeyRef { namespace: "a", group: 0, hash: &[2] }).unwrap();
+        assert!(ix.evict_lru().is_none());
+        drop(held2);
+        assert!(ix.evict_lru().is_some());
+        assert!(ix.contains(KeyRef { namespace: "a", group: 0, hash: &[1] }));
+        drop(held);
+    }
+
+    #[test]
+    fn namespaces_and_groups_are_distinct_keys() {
+        let ix = BlockIndex::new();
+        ix.insert(key("a", 1), block(1));
+        assert!(!ix.contains(KeyRef { namespace: "b", group: 0, hash: &[1] }));
+        assert!(!ix.contains(KeyRef { namespace: "a", group: 1, hash: &[1] }));
+    }
+}

@@ -1,0 +1,105 @@
+//! QueryPrefetch: group 0 answers the longest cached prefix; groups > 0 answer membership per
+//! position (all-or-nothing with `wait_for_full_prefix`). Hits are leased to the instance.
+
+use pegaflow_proto as pb;
+
+use super::index::KeyRef;
+use super::Engine;
+use crate::error::{EngineError, EngineResult};
+
+fn ready(num: u64, lease: Vec<u8>, hit_positions: Vec<u32>) -> pb::QueryResponse {
+    pb::QueryResponse {
+        outcome: Some(pb::query_response::Outcome::Ready(pb::QueryReady {
+            num_hit_blocks: num,
+            lease,
+            hit_positions,
+        })),
+    }
+}
+
+impl Engine {
+    /// QueryPrefetch. Empty `req_id` → INVALID_ARGUMENT; unknown instance →
+    /// FAILED_PRECONDITION; empty hash list → a miss.
+    pub async fn query(&self, req: pb::QueryRequest) -> EngineResult<pb::QueryResponse> {
+        if req.req_id.is_empty() {
+            return Err(EngineError::invalid("req_id must not be empty"));
+        }
+        let inst = self.instance(&req.instance_id)?;
+        if req.block_hashes.is_empty() {
+            return Ok(ready(0, vec![], vec![]));
+        }
+        let ns: &str = &inst.namespace;
+        if req.group_id == 0 {
+            let mut hits = Vec::new();
+            for h in &req.block_hashes {
+                match self.index.get_touch(KeyRef {
+                    namespace: ns,
+                    group: 0,
+                    hash: h,
+                }) {
+                    Some(b) => hits.push(b),
+                    None => break,
+                }
+            }
+            let n = hits.len() as u64;
+            let total = req.block_hashes.len() as u64;
+            self.metrics.cache_block_hits.inc_by(n);
+            self.metrics.cache_block_misses.inc_by(total - n);
+            let tiers = &self.metrics.cache_tier_block_requests;
+            tiers.with_label_values(&["ram"]).inc_by(n);
+            tiers.with_label_values(&["miss"]).inc_by(total - n);
+            if hits.is_empty() {
+                return Ok(ready(0, vec![], vec![]));
+            }
+            let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+            self.metrics.leases_active.set(self.leases.len() as i64);
+            return Ok(ready(n, lease.to_vec(), vec![]));
+        }
+        // Membership (group > 0) needs the sealed topology to know the group.
+        let topo = {
+            let st = inst.state.lock();
+            st.topology.clone().ok_or_else(|| {
+                EngineError::invalid(format!(
+                    "registration incomplete: {}/{} workers registered",
+                    st.workers.len(),
+                    inst.world_size
+                ))
+            })?
+        };
+        if req.group_id as usize >= topo.groups.len() {
+            return Err(EngineError::invalid(format!(
+                "unknown group id {} (instance {} has {} groups)",
+                req.group_id,
+                inst.id,
+                topo.groups.len()
+            )));
+        }
+        let mut hits = Vec::new();
+        let mut positions = Vec::new();
+        for (i, h) in req.block_hashes.iter().enumerate() {
+            if let Some(b) = self.index.get_touch(KeyRef {
+                namespace: ns,
+                group: req.group_id,
+                hash: h,
+            }) {
+                hits.push(b);
+                positions.push(i as u32);
+            }
+        }
+        if hits.is_empty() || (req.wait_for_full_prefix && hits.len() != req.block_hashes.len()) {
+            // All-or-nothing: a short answer is a miss without a lease.
+            return Ok(ready(0, vec![], vec![]));
+        }
+        let n = hits.len() as u64;
+        let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+        Ok(ready(n, lease.to_vec(), positions))
+    }
+
+    /// Release: drops a lease whatever its remaining shares.
+    pub fn release(&self, lease: &[u8]) -> EngineResult<()> {
+        let id = super::parse_lease(lease)?;
+        self.leases.release(&id)?;
+        self.metrics.leases_active.set(self.leases.len() as i64);
+        Ok(())
+    }
+}

@@ -1,0 +1,185 @@
+//! Prometheus metrics with PegaFlow's names, types and labels (`pegaflow-behavior.md` §8.2,
+//! as its Prometheus exporter renders them: counters end in `_total`, durations in
+//! `_seconds`), plus this server's own families where it measures more.
+//!
+//! Invariants a dashboard may rely on: `cache_block_hits_total + cache_block_misses_total` =
+//! blocks asked for by group-0 queries; `pool_used_bytes <= pool_capacity_bytes`.
+
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
+    IntGaugeVec, Opts, Registry, TextEncoder,
+};
+
+/// Every metric family the server exports.
+#[derive(Clone)]
+pub struct Metrics {
+    registry: Registry,
+    /// Allocatable host-tier bytes.
+    pub pool_capacity_bytes: IntGauge,
+    /// Allocated host-tier bytes.
+    pub pool_used_bytes: IntGauge,
+    /// Allocations that failed after eviction.
+    pub pool_alloc_failures: IntCounter,
+    /// Bytes of blocks saved in part (not yet sealed).
+    pub inflight_bytes: IntGauge,
+    /// Unsealed blocks dropped after their TTL.
+    pub inflight_gc_cleaned: IntCounter,
+    /// Footprint of indexed blocks, in bytes.
+    pub cache_resident_bytes: IntGauge,
+    /// Indexed blocks, by class (`retained`: local saves).
+    pub cache_resident_blocks: IntGaugeVec,
+    /// Blocks found by group-0 queries.
+    pub cache_block_hits: IntCounter,
+    /// Blocks asked for by group-0 queries and not found.
+    pub cache_block_misses: IntCounter,
+    /// Query decisions per block, by tier (`ram`, `ssd`, `rdma`, `miss`).
+    pub cache_tier_block_requests: IntCounterVec,
+    /// New index entries.
+    pub cache_block_insertions: IntCounter,
+    /// Blocks removed from the index by pressure or cleanup.
+    pub cache_block_evictions: IntCounter,
+    /// Evictions by class.
+    pub cache_block_evictions_by_class: IntCounterVec,
+    /// Blocks removed by cleanup while still referenced (leased or loading).
+    pub cache_block_evictions_still_referenced: IntCounter,
+    /// Pool bytes actually freed by evictions.
+    pub cache_eviction_reclaimed_bytes: IntCounter,
+    /// Time from insertion to removal, by reason (`pressure`, `cleanup`).
+    pub cache_residence_duration: HistogramVec,
+    /// Bytes copied by Save.
+    pub save_bytes: IntCounter,
+    /// Save RPC copy duration.
+    pub save_duration: Histogram,
+    /// Bytes copied by Load.
+    pub load_bytes: IntCounter,
+    /// Load copy duration.
+    pub load_duration: Histogram,
+    /// Loads that failed after being accepted.
+    pub load_failures: IntCounter,
+    /// RPCs by method and status (`ok` or the gRPC code).
+    pub rpc_requests: IntCounterVec,
+    /// RPC duration by method and status.
+    pub rpc_duration: HistogramVec,
+    /// Live leases (this server).
+    pub leases_active: IntGauge,
+    /// Leases that expired before they were loaded or released (this server).
+    pub leases_expired: IntCounter,
+    /// Registered instances (this server).
+    pub instances: IntGauge,
+    /// Copies that failed, by direction (this server).
+    pub transfer_failures: IntCounterVec,
+    /// Side-channel events, by kind (this server).
+    pub fd_channel_events: IntCounterVec,
+    /// Descriptors waiting on the side channel (this server).
+    pub fd_channel_pending: IntGauge,
+}
+
+fn exp_buckets(start: f64, factor: f64, n: usize) -> Vec<f64> {
+    prometheus::exponential_buckets(start, factor, n).expect("valid buckets")
+}
+
+impl Metrics {
+    /// Creates and registers every family in a fresh registry.
+    pub fn new() -> Self {
+        let registry = Registry::new();
+        macro_rules! reg {
+            ($m:expr) => {{
+                let m = $m.expect("valid metric");
+                registry.register(Box::new(m.clone())).expect("unique metric");
+                m
+            }};
+        }
+        let g = |n: &str, h: &str| IntGauge::new(n, h);
+        let c = |n: &str, h: &str| IntCounter::new(n, h);
+        Self {
+            pool_capacity_bytes: reg!(g("pegaflow_pool_capacity_bytes", "Allocatable host pool bytes")),
+            pool_used_bytes: reg!(g("pegaflow_pool_used_bytes", "Allocated host pool bytes")),
+            pool_alloc_failures: reg!(c("pegaflow_pool_alloc_failures_total", "Host allocations failing after eviction")),
+            inflight_bytes: reg!(g("pegaflow_inflight_bytes", "Bytes in blocks not yet sealed")),
+            inflight_gc_cleaned: reg!(c("pegaflow_inflight_gc_cleaned_total", "Stale unsealed blocks dropped")),
+            cache_resident_bytes: reg!(g("pegaflow_cache_resident_bytes", "Footprint of indexed blocks")),
+            cache_resident_blocks: reg!(IntGaugeVec::new(Opts::new("pegaflow_cache_resident_blocks", "Indexed blocks by class"), &["class"])),
+            cache_block_hits: reg!(c("pegaflow_cache_block_hits_total", "Blocks hit by prefix queries")),
+            cache_block_misses: reg!(c("pegaflow_cache_block_misses_total", "Blocks missed by prefix queries")),
+            cache_tier_block_requests: reg!(IntCounterVec::new(Opts::new("pegaflow_cache_tier_block_requests_total", "Per-block query decisions by tier"), &["tier"])),
+            cache_block_insertions: reg!(c("pegaflow_cache_block_insertions_total", "New index entries")),
+            cache_block_evictions: reg!(c("pegaflow_cache_block_evictions_total", "Index removals by pressure or cleanup")),
+            cache_block_evictions_by_class: reg!(IntCounterVec::new(Opts::new("pegaflow_cache_block_evictions_by_class_total", "Evictions by class"), &["class"])),
+            cache_block_evictions_still_referenced: reg!(c("pegaflow_cache_block_evictions_still_referenced_total", "Blocks removed while still referenced")),
+            cache_eviction_reclaimed_bytes: reg!(c("pegaflow_cache_eviction_reclaimed_bytes_total", "Pool bytes freed by eviction")),
+            cache_residence_duration: reg!(HistogramVec::new(
+                HistogramOpts::new("pegaflow_cache_residence_duration_seconds", "Insert to removal time")
+                    .buckets(vec![1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4.0 * 3600.0, 24.0 * 3600.0]),
+                &["reason"])),
+            save_bytes: reg!(c("pegaflow_save_bytes_total", "Bytes copied by Save")),
+            save_duration: reg!(Histogram::with_opts(HistogramOpts::new("pegaflow_save_duration_seconds", "Save copy duration").buckets(exp_buckets(0.0001, 2.0, 18)))),
+            load_bytes: reg!(c("pegaflow_load_bytes_total", "Bytes copied by Load")),
+            load_duration: reg!(Histogram::with_opts(HistogramOpts::new("pegaflow_load_duration_seconds", "Load copy duration").buckets(exp_buckets(0.0001, 2.0, 18)))),
+            load_failures: reg!(c("pegaflow_load_failures_total", "Loads failing after acceptance")),
+            rpc_requests: reg!(IntCounterVec::new(Opts::new("pegaflow_rpc_requests_total", "RPCs by method and status"), &["method", "status"])),
+            rpc_duration: reg!(HistogramVec::new(
+                HistogramOpts::new("pegaflow_rpc_duration_seconds", "RPC duration").buckets(vec![
+                    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
+                ]),
+                &["method", "status"])),
+            leases_active: reg!(g("pegaflow_leases_active", "Live query leases")),
+            leases_expired: reg!(c("pegaflow_leases_expired_total", "Leases that expired unused")),
+            instances: reg!(g("pegaflow_instances", "Registered instances")),
+            transfer_failures: reg!(IntCounterVec::new(Opts::new("pegaflow_transfer_failures_total", "Failed copies by direction"), &["direction"])),
+            fd_channel_events: reg!(IntCounterVec::new(Opts::new("pegaflow_fd_channel_events_total", "Side-channel events by kind"), &["event"])),
+            fd_channel_pending: reg!(g("pegaflow_fd_channel_pending", "Descriptors received and not yet taken")),
+            registry,
+        }
+    }
+
+    /// The registry, to add families from a backend.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
+    }
+
+    /// Renders every family in the Prometheus text format.
+    pub fn render(&self) -> String {
+        let mut buf = Vec::new();
+        let enc = TextEncoder::new();
+        let _ = enc.encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+
+    /// Records one RPC outcome.
+    pub fn observe_rpc(&self, method: &str, status: &str, secs: f64) {
+        self.rpc_requests.with_label_values(&[method, status]).inc();
+        self.rpc_duration
+            .with_label_values(&[method, status])
+            .observe(secs);
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+/// The label PegaFlow uses for a gRPC code in `status`.
+pub fn status_label(code: tonic::Code) -> &'static str {
+    use tonic::Code::*;
+    match code {
+        Ok => "ok",
+        Cancelled => "Cancelled",
+        Unknown => "Unknown",
+        InvalidArgument => "InvalidArgument",
+        DeadlineExceeded => "DeadlineExceeded",
+        NotFound => "NotFound",
+        AlreadyExists => "AlreadyExists",
+        PermissionDenied => "PermissionDenied",
+        ResourceExhausted => "ResourceExhausted",
+        FailedPrecondition => "FailedPrecondition",
+        Aborted => "Aborted",
+        OutOfRange => "OutOfRange",
+        Unimplemented => "Unimplemented",
+        Internal => "Internal",
+        Unavailable => "Unavailable",
+        DataLoss => "DataLoss",
+        Unauthenticated => "Unauthenticated",
+    }
+}

@@ -1,0 +1,238 @@
+//! Assembling and running a server from a pipeline: build the plugins, bind the side channel,
+//! start the engine's housekeeping, the gRPC service and the HTTP endpoints.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::Context;
+use tokio::net::TcpListener;
+use tokio::sync::Notify;
+use tokio::task::JoinHandle;
+
+use crate::config::PipelineConfig;
+use crate::engine::{Engine, EngineParts};
+use crate::fd_channel::{FdChannel, FdChannelLimits};
+use crate::metrics::Metrics;
+use crate::plugin::{
+    registrar_factory, tier_factory, transport_factory, RegistrarFactory, RuntimeContext,
+    TransportFactory,
+};
+use crate::service::EngineService;
+
+/// A running server. Dropping it does not stop it: call [`ServerHandle::shutdown`].
+pub struct ServerHandle {
+    /// The bound gRPC address (useful with port 0).
+    pub grpc_addr: SocketAddr,
+    /// The bound HTTP address.
+    pub http_addr: SocketAddr,
+    /// The engine (for in-process tests and benchmarks).
+    pub engine: Arc<Engine>,
+    /// The side channel, when configured.
+    pub fd_channel: Option<Arc<FdChannel>>,
+    stop: Arc<Notify>,
+    shutdown_requested: Arc<Notify>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl std::fmt::Debug for ServerHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServerHandle")
+            .field("grpc_addr", &self.grpc_addr)
+            .field("http_addr", &self.http_addr)
+            .finish()
+    }
+}
+
+impl ServerHandle {
+    /// The gRPC endpoint as a URL (`http://host:port`).
+    pub fn endpoint(&self) -> String {
+        format!("http://{}", self.grpc_addr)
+    }
+
+    /// Resolves when a client sent the Shutdown RPC.
+    pub async fn shutdown_requested(&self) {
+        self.shutdown_requested.notified().await;
+    }
+
+    /// Stops serving gRPC and HTTP and waits for the servers to finish.
+    pub async fn shutdown(self) {
+        self.stop.notify_waiters();
+        for t in self.tasks {
+            t.abort();
+            let _ = t.await;
+        }
+    }
+}
+
+/// Builds the plugins of `pipeline` and starts serving. Returns once both listeners are bound.
+pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
+    let metrics = Arc::new(Metrics::new());
+    let fd_channel = match &pipeline.fd_channel {
+        Some(c) => Some(
+            FdChannel::bind(&c.path, FdChannelLimits::default())
+                .await
+                .with_context(|| format!("cannot bind the fd side channel at {}", c.path.display()))?,
+        ),
+        None => None,
+    };
+    let mut ctx = RuntimeContext {
+        fd_channel: fd_channel.clone(),
+        landing_tier: None,
+        devices: None,
+    };
+    let mut tiers = Vec::new();
+    for t in &pipeline.tiers {
+        let f = tier_factory(&t.kind)?;
+        let tier = (f.build)(&t.settings, &ctx)
+            .with_context(|| format!("cannot build tier {:?}", t.kind))?;
+        tiers.push(tier);
+    }
+    ctx.landing_tier = tiers.first().cloned();
+    let transports = match &pipeline.transports {
+        Some(list) => list
+            .iter()
+            .map(|t| {
+                let f = transport_factory(&t.kind)?;
+                (f.build)(&t.settings, &ctx)
+                    .with_context(|| format!("cannot build transport {:?}", t.kind))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        None => inventory::iter::<TransportFactory>()
+            .map(|f| {
+                (f.build)(&toml::Table::new(), &ctx)
+                    .with_context(|| format!("cannot build transport {:?}", f.kind))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+    };
+    let registrars = match &pipeline.registrars {
+        Some(list) => list
+            .iter()
+            .map(|t| {
+                let f = registrar_factory(&t.kind)?;
+                (f.build)(&t.settings, &ctx)
+                    .with_context(|| format!("cannot build registrar {:?}", t.kind))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        None => inventory::iter::<RegistrarFactory>()
+            .map(|f| {
+                (f.build)(&toml::Table::new(), &ctx)
+                    .with_context(|| format!("cannot build registrar {:?}", f.kind))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+    };
+    tracing::info!(
+        tiers = ?tiers.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+        transports = ?transports.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+        registrars = ?registrars.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+        capacity_bytes = tiers.first().map(|t| t.capacity_bytes()),
+        "pipeline built"
+    );
+    let engine = Engine::new(EngineParts {
+        config: pipeline.engine.clone(),
+        tiers,
+        registrars,
+        transports,
+        metrics,
+    })?;
+
+    let stop = Arc::new(Notify::new());
+    let shutdown_requested = Arc::new(Notify::new());
+    let mut tasks = Vec::new();
+
+    // Housekeeping: lease expiry, stale unsealed blocks, gauges.
+    {
+        let engine = engine.clone();
+        let fdc = fd_channel.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut tick = tokio::time::interval(Duration::from_secs(30));
+            loop {
+                tick.tick().await;
+                engine.gc();
+                if let Some(c) = &fdc {
+                    engine.metrics().fd_channel_pending.set(c.pending() as i64);
+                }
+            }
+        }));
+    }
+
+    let grpc_listener = TcpListener::bind(pipeline.grpc_addr()?)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {}", pipeline.server.addr))?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let http_listener = TcpListener::bind(pipeline.http_addr()?)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", pipeline.server.http_addr))?;
+    let http_addr = http_listener.local_addr()?;
+
+    let svc = EngineService::new(
+        engine.clone(),
+        shutdown_requested.clone(),
+        fd_channel
+            .as_ref()
+            .map(|c| c.path().to_string_lossy().into_owned()),
+    );
+    {
+        let stop = stop.clone();
+        let incoming = tokio_stream::wrappers::TcpListenerStream::new(grpc_listener);
+        tasks.push(tokio::spawn(async move {
+            let r = tonic::transport::Server::builder()
+                .http2_keepalive_interval(None)
+                .max_concurrent_streams(Some(4096))
+                .tcp_nodelay(true)
+                .add_service(svc.into_server())
+                .serve_with_incoming_shutdown(incoming, async move { stop.notified().await })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "gRPC server failed");
+            }
+        }));
+    }
+    {
+        let stop = stop.clone();
+        let app = crate::http::router(engine.clone(), pipeline.server.enable_prometheus);
+        tasks.push(tokio::spawn(async move {
+            let r = axum::serve(http_listener, app)
+                .with_graceful_shutdown(async move { stop.notified().await })
+                .await;
+            if let Err(e) = r {
+                tracing::error!(error = %e, "HTTP server failed");
+            }
+        }));
+    }
+    tracing::info!(%grpc_addr, %http_addr, fd_channel = ?pipeline.fd_channel.as_ref().map(|c| &c.path), "serving");
+    Ok(ServerHandle {
+        grpc_addr,
+        http_addr,
+        engine,
+        fd_channel,
+        stop,
+        shutdown_requested,
+        tasks,
+    })
+}
+
+/// Runs a server until SIGINT, SIGTERM or the Shutdown RPC.
+pub async fn run(pipeline: PipelineConfig) -> anyhow::Result<()> {
+    let handle = start(pipeline).await?;
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT: shutting down"),
+        _ = term.recv() => tracing::info!("SIGTERM: shutting down"),
+        _ = handle.shutdown_requested() => tracing::info!("Shutdown RPC: shutting down"),
+    }
+    handle.shutdown().await;
+    tracing::info!("stopped");
+    Ok(())
+}
+
+/// Installs the global log subscriber with `level` (a level or a tracing filter directive).
+pub fn init_logging(level: &str) -> anyhow::Result<()> {
+    let filter = tracing_subscriber::EnvFilter::try_new(level)
+        .with_context(|| format!("invalid --log-level {level:?}"))?;
+    tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_target(false)
+        .try_init()
+        .map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
+}
