@@ -134,6 +134,7 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         registrars,
         transports,
         metrics,
+        fd_channel: fd_channel.clone(),
     })?;
 
     let stop = Arc::new(Notify::new());

@@ -29,6 +29,7 @@ pub use reaper::Reaper;
 use crate::buffer::HostBuffer;
 use crate::config::EngineConfig;
 use crate::error::{EngineError, EngineResult};
+use crate::fd_channel::FdChannel;
 use crate::metrics::Metrics;
 use crate::plugin::{CopyBatch, Registrar, Tier, Transport};
 
@@ -53,6 +54,8 @@ pub struct EngineParts {
     pub transports: Vec<Arc<dyn Transport>>,
     /// Metric families.
     pub metrics: Arc<Metrics>,
+    /// The fd side channel, when configured (failed native registrations discard their fd).
+    pub fd_channel: Option<Arc<FdChannel>>,
 }
 
 /// What `POST /cache/memory/cleanup` did.
@@ -85,6 +88,7 @@ pub struct Engine {
     barrier: Arc<tokio::sync::RwLock<()>>,
     /// Saves hold the read side while running; Flush takes the write side.
     flush_barrier: tokio::sync::RwLock<()>,
+    fd_channel: Option<Arc<FdChannel>>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -131,6 +135,7 @@ impl Engine {
             reaper: Reaper::start(256),
             barrier: Arc::new(tokio::sync::RwLock::new(())),
             flush_barrier: tokio::sync::RwLock::new(()),
+            fd_channel: parts.fd_channel,
         }))
     }
 

@@ -210,13 +210,22 @@ impl Engine {
     /// imports the memory through the pipeline's registrar for the payload kind, bounds-checks
     /// every layer, and seals the topology when the last worker joins.
     pub async fn register(&self, req: pb::RegisterContextRequest) -> EngineResult<()> {
-        let spec = validate(&req)?;
+        let spec = match validate(&req) {
+            Ok(s) => s,
+            Err(e) => {
+                self.discard_pending_fd(&req);
+                return Err(e);
+            }
+        };
         let _barrier = self.barrier.read().await;
         let kind = spec.payload.kind();
         let native = kind != PayloadKind::CudaIpcWrapper;
+        // A refused reservation (e.g. the device is already registering) leaves the side
+        // channel alone: the pending descriptor may belong to the registration in progress.
         let inst = self.reserve(&req, native, spec.transfer_mode)?;
         let result = self.register_worker(&inst, &req, spec).await;
         if let Err(e) = &result {
+            self.discard_pending_fd(&req);
             let remove = {
                 let mut st = inst.state.lock();
                 st.importing.remove(&req.device_id);
@@ -232,6 +241,17 @@ impl Engine {
         }
         self.update_gauges();
         result
+    }
+
+    /// Closes a descriptor the client sent for this (failed) registration, so that it can
+    /// resend under the same key at once instead of waiting for the pending TTL.
+    fn discard_pending_fd(&self, req: &pb::RegisterContextRequest) {
+        let native = req.memory_kind != 0 || !req.native_kv_tensors.is_empty();
+        if let (true, Some(c)) = (native, &self.fd_channel) {
+            if is_side_channel_safe_id(&req.instance_id) && c.discard(&req.instance_id, req.device_id) {
+                tracing::info!(instance = %req.instance_id, device = req.device_id, "discarded the side-channel fd of a failed registration");
+            }
+        }
     }
 
     /// Gets or creates the instance and reserves the device id for this registration.
