@@ -1,1 +1,74 @@
-//! Examples of the KV-cache server: pipelines, a third-party backend, the trace replay client.
+//! A third-party backend, written the way an outside crate would: it depends on
+//! `pegaflow-runtime` for the traits, registers a factory with `inventory::submit!`, and is
+//! linked into its own server binary (`src/bin/pegaflow-server-verify.rs`) — no edit to the
+//! runtime.
+//!
+//! The backend is `memcpy-verify`: a host transport that copies like `memcpy` and then reads
+//! the destination back and compares it with the source, failing the batch on any difference.
+//! An operator can run it in staging to rule out the data path when debugging corruption.
+
+use std::sync::Arc;
+
+use async_trait::async_trait;
+use pegaflow_runtime::{
+    CopyBatch, Direction, MemoryLocation, PluginOption, RuntimeContext, Transport,
+    TransportError, TransportFactory,
+};
+
+/// The verifying host transport.
+#[derive(Debug, Default)]
+pub struct VerifyingMemcpy;
+
+#[async_trait]
+impl Transport for VerifyingMemcpy {
+    fn kind(&self) -> &'static str {
+        "memcpy-verify"
+    }
+
+    fn can_address(&self, location: MemoryLocation) -> bool {
+        location == MemoryLocation::Host
+    }
+
+    async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
+        tokio::task::spawn_blocking(move || {
+            for op in &batch.ops {
+                let (src, dst) = match batch.direction {
+                    Direction::ToHost => (op.device_addr as usize, op.host_addr),
+                    Direction::ToDevice => (op.host_addr, op.device_addr as usize),
+                };
+                // SAFETY: the engine validated both ranges against live registrations and
+                // host buffers, which it keeps alive until this future completes.
+                let equal = unsafe {
+                    std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, op.len);
+                    std::slice::from_raw_parts(src as *const u8, op.len)
+                        == std::slice::from_raw_parts(dst as *const u8, op.len)
+                };
+                if !equal {
+                    return Err(TransportError(format!(
+                        "verification failed: {} bytes at {dst:#x} differ from the source",
+                        op.len
+                    )));
+                }
+            }
+            Ok(())
+        })
+        .await
+        .map_err(|e| TransportError(format!("copy thread failed: {e}")))?
+    }
+}
+
+fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Transport>> {
+    if let Some(k) = table.keys().next() {
+        anyhow::bail!("memcpy-verify takes no settings, got {k:?}");
+    }
+    Ok(Arc::new(VerifyingMemcpy))
+}
+
+inventory::submit! {
+    TransportFactory {
+        kind: "memcpy-verify",
+        summary: "host copies that read the destination back and compare (a third-party example)",
+        options: &[] as &[PluginOption],
+        build,
+    }
+}

@@ -66,6 +66,16 @@ impl TestServer {
         }
     }
 
+    /// Wraps a server started elsewhere (e.g. from a shipped pipeline) whose side channel is at
+    /// `socket` inside `dir`.
+    pub fn from_handle(handle: ServerHandle, socket: PathBuf, dir: tempfile::TempDir) -> Self {
+        Self {
+            handle,
+            socket,
+            _dir: dir,
+        }
+    }
+
     /// A connected client.
     pub async fn client(&self) -> EngineClient {
         EngineClient::connect(&self.handle.endpoint())

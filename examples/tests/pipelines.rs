@@ -1,0 +1,75 @@
+//! The shipped pipelines parse and build; the third-party backend registers without any edit
+//! to the runtime and carries a real save/load; unknown kinds fail start-up listing the kinds.
+
+use pegaflow_api::load_state::LOAD_SUCCESS;
+use pegaflow_runtime::config::PipelineConfig;
+use pegaflow_tests::harness::*;
+
+use pegaflow_examples as _;
+
+fn load(name: &str) -> PipelineConfig {
+    let path = format!("{}/pipelines/{name}", env!("CARGO_MANIFEST_DIR"));
+    PipelineConfig::from_toml(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+#[test]
+fn shipped_pipelines_parse() {
+    for f in ["default.toml", "cpu-engines.toml", "verify.toml"] {
+        let p = load(f);
+        assert_eq!(p.tiers[0].kind, "dram", "{f}");
+    }
+    let d = load("default.toml");
+    let e = PipelineConfig::embedded_default();
+    assert_eq!(d.to_toml(), e.to_toml(), "default.toml is the embedded default");
+}
+
+#[test]
+fn the_third_party_kind_is_listed() {
+    let listing = pegaflow_runtime::plugin::describe_plugins();
+    assert!(listing.contains("memcpy-verify"), "{listing}");
+    assert!(pegaflow_runtime::plugin::known_transports().contains("memcpy-verify"));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_kinds_fail_start_up_with_the_known_kinds() {
+    let mut p = PipelineConfig::embedded_default();
+    p.server.addr = "127.0.0.1:0".into();
+    p.server.http_addr = "127.0.0.1:0".into();
+    p.tiers[0].kind = "nvme-of-dreams".into();
+    let e = pegaflow_runtime::start(p).await.unwrap_err().to_string();
+    assert!(e.contains("unknown tier kind \"nvme-of-dreams\""), "{e}");
+    assert!(e.contains("dram"), "{e}");
+    let mut p = PipelineConfig::from_toml("[[tier]]\nkind = \"dram\"\ncapacity = \"1mb\"\n[[transport]]\nkind = \"rdma\"\n").unwrap();
+    p.server.addr = "127.0.0.1:0".into();
+    p.server.http_addr = "127.0.0.1:0".into();
+    let e = pegaflow_runtime::start(p).await.unwrap_err().to_string();
+    assert!(e.contains("unknown transport kind \"rdma\"") && e.contains("memcpy-verify"), "{e}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_third_party_transport_carries_a_roundtrip() {
+    let dir = tempfile::tempdir().unwrap();
+    let mut p = load("verify.toml");
+    p.server.addr = "127.0.0.1:0".into();
+    p.server.http_addr = "127.0.0.1:0".into();
+    p.fd_channel.as_mut().unwrap().path = dir.path().join("fd.sock");
+    let handle = pegaflow_runtime::start(p).await.unwrap();
+    let srv = TestServer::from_handle(handle, dir.path().join("fd.sock"), dir);
+    let shape = KvShape {
+        layers: 2,
+        num_blocks: 8,
+        segment_bytes: 512,
+    };
+    let mut w = Worker::register(&srv, "tp", "ns", shape, 0, 1, 0).await;
+    let hs: Vec<Vec<u8>> = (0..3).map(|i| hash_of("tp", i)).collect();
+    for (i, h) in hs.iter().enumerate() {
+        w.kv.fill(i, h);
+    }
+    w.save(&[0, 1, 2], &hs).await.unwrap();
+    let (n, lease) = ready(w.client.query("tp", hs.clone(), "q").await.unwrap());
+    assert_eq!(n, 3);
+    assert_eq!(w.load(&lease, &[5, 6, 7]).await.unwrap(), LOAD_SUCCESS);
+    for (i, h) in hs.iter().enumerate() {
+        assert!(w.kv.holds(5 + i, h));
+    }
+}
