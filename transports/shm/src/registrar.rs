@@ -1,0 +1,578 @@
+//! The `host-memfd` registrar: a client's host KV memory, shared as a memfd on the fd side
+//! channel and described by per-layer views, mapped shared into the server.
+
+use std::os::fd::{AsFd, OwnedFd};
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use memmap2::{MmapOptions, MmapRaw};
+use nix::errno::Errno;
+use nix::fcntl::{fcntl, FcntlArg, SealFlag};
+use nix::sys::stat::{fstat, SFlag};
+use pegaflow_runtime::fd_channel::FdChannel;
+use pegaflow_runtime::{
+    ImportRequest, LayerRegion, MemoryLocation, NativeView, PayloadKind, Registrar, RegistrarError,
+    Registration, RegistrationPayload, RuntimeContext,
+};
+use tracing::{debug, warn};
+
+/// How long an import waits for the memfd on the side channel unless `fd_timeout_secs` says
+/// otherwise.
+pub const DEFAULT_FD_TIMEOUT: Duration = Duration::from_secs(10);
+
+/// Longest accepted `fd_timeout_secs`, in seconds (one hour).
+const MAX_FD_TIMEOUT_SECS: f64 = 3600.0;
+
+/// Imports host memory shared as a memfd (kind `host-memfd`, payload
+/// [`PayloadKind::HostMemfd`]).
+///
+/// Import takes the descriptor sent for `(instance_id, device_id)` on the fd side channel,
+/// checks it is a regular file (a memfd) of at least `alloc_size` bytes, maps `alloc_size`
+/// bytes shared read-write, closes the descriptor, and returns one region per view. All the
+/// regions share one mapping, unmapped when the last region is dropped.
+#[derive(Debug)]
+pub struct HostMemfdRegistrar {
+    channel: Option<Arc<FdChannel>>,
+    fd_timeout: Duration,
+    require_shrink_seal: bool,
+}
+
+impl HostMemfdRegistrar {
+    /// A registrar taking descriptors from `channel` (none: every import fails with
+    /// [`RegistrarError::Precondition`]), waiting up to `fd_timeout` for each. With
+    /// `require_shrink_seal`, memfds that cannot be sealed against shrinking are refused.
+    pub fn new(
+        channel: Option<Arc<FdChannel>>,
+        fd_timeout: Duration,
+        require_shrink_seal: bool,
+    ) -> Self {
+        Self {
+            channel,
+            fd_timeout,
+            require_shrink_seal,
+        }
+    }
+}
+
+/// Builds the registrar from its pipeline table (`fd_timeout_secs`, `require_shrink_seal`).
+pub(crate) fn build(
+    table: &toml::Table,
+    ctx: &RuntimeContext,
+) -> anyhow::Result<Arc<dyn Registrar>> {
+    crate::reject_unknown_keys(
+        "host-memfd",
+        table,
+        &["fd_timeout_secs", "require_shrink_seal"],
+    )?;
+    let fd_timeout = match table.get("fd_timeout_secs") {
+        None => DEFAULT_FD_TIMEOUT,
+        Some(v) => {
+            let secs = match v {
+                toml::Value::Integer(i) => *i as f64,
+                toml::Value::Float(f) => *f,
+                other => anyhow::bail!(
+                    "host-memfd: fd_timeout_secs must be a number of seconds, got {other}"
+                ),
+            };
+            if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
+                anyhow::bail!("host-memfd: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}");
+            }
+            Duration::from_secs_f64(secs)
+        }
+    };
+    let require_shrink_seal = match table.get("require_shrink_seal") {
+        None => false,
+        Some(toml::Value::Boolean(b)) => *b,
+        Some(other) => {
+            anyhow::bail!("host-memfd: require_shrink_seal must be true or false, got {other}")
+        }
+    };
+    Ok(Arc::new(HostMemfdRegistrar::new(
+        ctx.fd_channel.clone(),
+        fd_timeout,
+        require_shrink_seal,
+    )))
+}
+
+/// A memfd mapped shared into the server; dropping it unmaps.
+struct MemfdMapping {
+    map: MmapRaw,
+    instance_id: String,
+    device_id: i32,
+}
+
+impl Registration for MemfdMapping {
+    fn location(&self) -> MemoryLocation {
+        MemoryLocation::Host
+    }
+
+    fn base_addr(&self) -> u64 {
+        self.map.as_mut_ptr() as u64
+    }
+
+    fn len_bytes(&self) -> u64 {
+        self.map.len() as u64
+    }
+
+    fn describe(&self) -> String {
+        format!(
+            "host memfd of {} bytes for instance {} device {}",
+            self.map.len(),
+            self.instance_id,
+            self.device_id
+        )
+    }
+}
+
+impl Drop for MemfdMapping {
+    fn drop(&mut self) {
+        debug!(
+            instance_id = %self.instance_id,
+            device_id = self.device_id,
+            len = self.map.len(),
+            "host-memfd: unmapping"
+        );
+    }
+}
+
+/// Checks every view against the allocation; the message names the layer and the numbers.
+fn check_views(alloc_size: u64, views: &[NativeView]) -> Result<(), RegistrarError> {
+    if views.is_empty() {
+        return Err(RegistrarError::Invalid(
+            "host-memfd registration has no layer views".into(),
+        ));
+    }
+    for (layer, v) in views.iter().enumerate() {
+        if v.size_bytes == 0 {
+            return Err(RegistrarError::Invalid(format!(
+                "layer {layer}: size_bytes must be > 0"
+            )));
+        }
+        if v.block_stride_bytes == 0 {
+            return Err(RegistrarError::Invalid(format!(
+                "layer {layer}: block_stride_bytes must be > 0"
+            )));
+        }
+        match v.offset_bytes.checked_add(v.size_bytes) {
+            Some(end) if end <= alloc_size => {}
+            _ => {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: view at offset {} of {} bytes exceeds the {alloc_size}-byte allocation",
+                    v.offset_bytes, v.size_bytes
+                )))
+            }
+        }
+    }
+    Ok(())
+}
+
+/// Checks the memfd, seals it against shrinking where possible, and maps `len` bytes of it.
+fn map_memfd(
+    fd: OwnedFd,
+    len: usize,
+    require_shrink_seal: bool,
+    who: &str,
+) -> Result<MmapRaw, RegistrarError> {
+    let st = fstat(fd.as_fd())
+        .map_err(|e| RegistrarError::Failed(format!("fstat of the memfd for {who}: {e}")))?;
+    if SFlag::from_bits_truncate(st.st_mode) & SFlag::S_IFMT != SFlag::S_IFREG {
+        return Err(RegistrarError::Invalid(format!(
+            "the descriptor received for {who} is not a memfd (not a regular file)"
+        )));
+    }
+    let size = u64::try_from(st.st_size).unwrap_or(0);
+    if size < len as u64 {
+        return Err(RegistrarError::Invalid(format!(
+            "the memfd for {who} holds {size} bytes, less than the stated allocation of {len} bytes"
+        )));
+    }
+    // A shared mapping of a file that later shrinks faults (SIGBUS) on access to the lost
+    // pages; sealing makes shrinking impossible for everyone.
+    match fcntl(fd.as_fd(), FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK)) {
+        Ok(_) => {}
+        Err(e) if require_shrink_seal => {
+            return Err(RegistrarError::Invalid(format!(
+                "the memfd for {who} cannot be sealed against shrinking ({e}); create it with \
+                 MFD_ALLOW_SEALING"
+            )))
+        }
+        Err(Errno::EPERM) | Err(Errno::EINVAL) => warn!(
+            who,
+            "host-memfd: the memfd cannot be sealed against shrinking; a client that shrinks it \
+             while mapped can crash the server (create it with MFD_ALLOW_SEALING)"
+        ),
+        Err(e) => warn!(who, error = %e, "host-memfd: sealing the memfd failed"),
+    }
+    let map = MmapOptions::new().len(len).map_raw(&fd).map_err(|e| {
+        RegistrarError::Failed(format!("mmap of the memfd for {who} ({len} bytes): {e}"))
+    })?;
+    // The mapping keeps the memory; the descriptor is not needed any more.
+    drop(fd);
+    Ok(map)
+}
+
+#[async_trait]
+impl Registrar for HostMemfdRegistrar {
+    fn kind(&self) -> &'static str {
+        "host-memfd"
+    }
+
+    fn payload(&self) -> PayloadKind {
+        PayloadKind::HostMemfd
+    }
+
+    async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
+        let Some(channel) = &self.channel else {
+            return Err(RegistrarError::Precondition(
+                "host-memfd registration needs the fd side channel: start the server with \
+                 --fd-socket-path"
+                    .into(),
+            ));
+        };
+        let ImportRequest {
+            instance_id,
+            device_id,
+            payload,
+        } = req;
+        let (alloc_size, views) = match payload {
+            RegistrationPayload::Native {
+                kind: PayloadKind::HostMemfd,
+                alloc_size,
+                views,
+            } => (alloc_size, views),
+            other => {
+                return Err(RegistrarError::Invalid(format!(
+                    "the host-memfd registrar cannot import a {} payload",
+                    other.kind().name()
+                )))
+            }
+        };
+        if !pegaflow_api::is_side_channel_safe_id(&instance_id) {
+            return Err(RegistrarError::Invalid(format!(
+                "instance id {instance_id:?} must be 1-128 characters of [A-Za-z0-9_-] for the fd side channel"
+            )));
+        }
+        let checked = if alloc_size == 0 {
+            Err(RegistrarError::Invalid(
+                "host-memfd alloc_size must be > 0".into(),
+            ))
+        } else {
+            check_views(alloc_size, &views).and_then(|()| {
+                usize::try_from(alloc_size).map_err(|_| {
+                    RegistrarError::Invalid(format!(
+                        "alloc_size {alloc_size} does not fit in memory"
+                    ))
+                })
+            })
+        };
+        let len = match checked {
+            Ok(len) => len,
+            Err(e) => {
+                // Close a descriptor already sent for this failed registration, so that the
+                // client can resend under the same key at once.
+                channel.discard(&instance_id, device_id);
+                return Err(e);
+            }
+        };
+        let Some(fd) = channel.take(&instance_id, device_id, self.fd_timeout).await else {
+            return Err(RegistrarError::Precondition(format!(
+                "no memfd received on the fd side channel for instance {instance_id} device {device_id} \
+                 within {}s",
+                self.fd_timeout.as_secs_f64()
+            )));
+        };
+        let who = format!("instance {instance_id} device {device_id}");
+        let require_seal = self.require_shrink_seal;
+        let map = tokio::task::spawn_blocking(move || map_memfd(fd, len, require_seal, &who))
+            .await
+            .map_err(|e| RegistrarError::Failed(format!("mapping the memfd failed: {e}")))??;
+        let memory: Arc<dyn Registration> = Arc::new(MemfdMapping {
+            map,
+            instance_id,
+            device_id,
+        });
+        debug!(memory = %memory.describe(), layers = views.len(), "host-memfd: imported");
+        Ok(views
+            .iter()
+            .map(|v| LayerRegion {
+                memory: Arc::clone(&memory),
+                offset: v.offset_bytes,
+                len: v.size_bytes,
+            })
+            .collect())
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use pegaflow_api::memfd::HostMemfd;
+    use pegaflow_runtime::fd_channel::FdChannelLimits;
+
+    struct Fixture {
+        _dir: tempfile::TempDir,
+        channel: Arc<FdChannel>,
+    }
+
+    async fn fixture() -> Fixture {
+        let dir = tempfile::tempdir().unwrap();
+        let channel = FdChannel::bind(&dir.path().join("fd.sock"), FdChannelLimits::default())
+            .await
+            .unwrap();
+        Fixture { _dir: dir, channel }
+    }
+
+    fn registrar(f: &Fixture, timeout_secs: f64) -> Arc<dyn Registrar> {
+        let mut t = toml::Table::new();
+        t.insert("fd_timeout_secs".into(), toml::Value::Float(timeout_secs));
+        let ctx = RuntimeContext {
+            fd_channel: Some(Arc::clone(&f.channel)),
+            ..RuntimeContext::default()
+        };
+        build(&t, &ctx).unwrap()
+    }
+
+    fn view(offset: u64, size: u64) -> NativeView {
+        NativeView {
+            offset_bytes: offset,
+            size_bytes: size,
+            block_stride_bytes: 64,
+        }
+    }
+
+    fn request(id: &str, alloc_size: u64, views: Vec<NativeView>) -> ImportRequest {
+        ImportRequest {
+            instance_id: id.into(),
+            device_id: 0,
+            payload: RegistrationPayload::Native {
+                kind: PayloadKind::HostMemfd,
+                alloc_size,
+                views,
+            },
+        }
+    }
+
+    fn send(f: &Fixture, id: &str, mem: &HostMemfd) {
+        pegaflow_api::fd::send_fd(f.channel.path(), id, 0, mem.fd()).unwrap();
+    }
+
+    async fn wait_pending(f: &Fixture, n: usize) {
+        let deadline = std::time::Instant::now() + Duration::from_secs(5);
+        while f.channel.pending() != n {
+            assert!(std::time::Instant::now() < deadline, "fd never arrived");
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
+    }
+
+    fn invalid(r: Result<Vec<LayerRegion>, RegistrarError>) -> String {
+        match r {
+            Err(RegistrarError::Invalid(m)) => m,
+            other => panic!("expected Invalid, got {other:?}"),
+        }
+    }
+
+    fn precondition(r: Result<Vec<LayerRegion>, RegistrarError>) -> String {
+        match r {
+            Err(RegistrarError::Precondition(m)) => m,
+            other => panic!("expected Precondition, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn imports_a_memfd_sent_on_the_channel() {
+        let f = fixture().await;
+        let reg = registrar(&f, 5.0);
+        let mut mem = HostMemfd::new("kv", 1 << 20).unwrap();
+        for (i, b) in mem.as_mut_slice().iter_mut().enumerate() {
+            *b = (i % 251) as u8;
+        }
+        send(&f, "cpu-engine-1", &mem);
+        let regions = reg
+            .import(request(
+                "cpu-engine-1",
+                1 << 20,
+                vec![view(0, 4096), view(4096, 8192)],
+            ))
+            .await
+            .unwrap();
+        assert_eq!(regions.len(), 2);
+        assert_eq!((regions[1].offset, regions[1].len), (4096, 8192));
+        let m = &regions[0].memory;
+        assert!(Arc::ptr_eq(m, &regions[1].memory));
+        assert_eq!(m.location(), MemoryLocation::Host);
+        assert_eq!(m.len_bytes(), 1 << 20);
+        assert_eq!(
+            m.describe(),
+            "host memfd of 1048576 bytes for instance cpu-engine-1 device 0"
+        );
+        // The server's mapping shares the client's pages, both ways.
+        let base = m.base_addr() as *mut u8;
+        // SAFETY: base..base+1 MiB is the live mapping held by `regions`.
+        unsafe {
+            assert_eq!(*base.add(5000), (5000 % 251) as u8);
+            *base.add(7) = 0xAB;
+        }
+        assert_eq!(mem.as_slice()[7], 0xAB);
+        assert_eq!(f.channel.pending(), 0);
+        drop(regions);
+        // The client's memory outlives the server's mapping.
+        assert_eq!(mem.as_slice()[7], 0xAB);
+    }
+
+    #[tokio::test]
+    async fn rejects_views_outside_the_allocation() {
+        let f = fixture().await;
+        let reg = registrar(&f, 0.2);
+        let mem = HostMemfd::new("kv", 4096).unwrap();
+        let bad: Vec<(Vec<NativeView>, &str)> = vec![
+            (vec![view(0, 1024), view(4000, 200)], "layer 1"),
+            (vec![view(u64::MAX, 2)], "layer 0"),
+            (vec![view(0, 0)], "size_bytes"),
+            (
+                vec![NativeView {
+                    offset_bytes: 0,
+                    size_bytes: 8,
+                    block_stride_bytes: 0,
+                }],
+                "block_stride_bytes",
+            ),
+            (vec![], "no layer views"),
+        ];
+        for (views, needle) in bad {
+            send(&f, "oob", &mem);
+            wait_pending(&f, 1).await;
+            let msg = invalid(reg.import(request("oob", 4096, views)).await);
+            assert!(msg.contains(needle), "{msg}");
+            // The descriptor sent for the failed registration is closed, so the next
+            // iteration's resend under the same key is accepted, not a duplicate.
+            assert_eq!(f.channel.pending(), 0);
+        }
+        // alloc_size 0.
+        let msg = invalid(reg.import(request("oob", 0, vec![view(0, 1)])).await);
+        assert!(msg.contains("alloc_size"), "{msg}");
+        assert_eq!(f.channel.stats().rejected_duplicate, 0);
+    }
+
+    #[tokio::test]
+    async fn rejects_an_undersized_memfd() {
+        let f = fixture().await;
+        let reg = registrar(&f, 5.0);
+        let mem = HostMemfd::new("kv", 4096).unwrap();
+        send(&f, "small", &mem);
+        let msg = invalid(
+            reg.import(request("small", 8192, vec![view(0, 8192)]))
+                .await,
+        );
+        assert!(msg.contains("4096") && msg.contains("8192"), "{msg}");
+        assert_eq!(f.channel.pending(), 0);
+    }
+
+    #[tokio::test]
+    async fn rejects_a_descriptor_that_is_not_a_memfd() {
+        let f = fixture().await;
+        let reg = registrar(&f, 5.0);
+        let (r, _w) = nix::unistd::pipe().unwrap();
+        pegaflow_api::fd::send_fd(f.channel.path(), "pipe", 0, r.as_fd()).unwrap();
+        let msg = invalid(reg.import(request("pipe", 4096, vec![view(0, 4096)])).await);
+        assert!(msg.contains("not a memfd"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn missing_fd_is_a_precondition_failure() {
+        let f = fixture().await;
+        let reg = registrar(&f, 0.1);
+        let started = std::time::Instant::now();
+        let msg = precondition(
+            reg.import(request("absent", 4096, vec![view(0, 4096)]))
+                .await,
+        );
+        assert!(started.elapsed() >= Duration::from_millis(90));
+        assert!(
+            msg.contains("no memfd") && msg.contains("instance absent device 0"),
+            "{msg}"
+        );
+    }
+
+    #[tokio::test]
+    async fn no_channel_is_a_precondition_failure() {
+        let reg = build(&toml::Table::new(), &RuntimeContext::default()).unwrap();
+        let msg = precondition(reg.import(request("x", 4096, vec![view(0, 4096)])).await);
+        assert!(msg.contains("--fd-socket-path"), "{msg}");
+    }
+
+    #[tokio::test]
+    async fn rejects_other_payloads_and_unsafe_ids() {
+        let f = fixture().await;
+        let reg = registrar(&f, 0.1);
+        let wrong = ImportRequest {
+            instance_id: "x".into(),
+            device_id: 0,
+            payload: RegistrationPayload::CudaIpcWrappers(vec![vec![1]]),
+        };
+        assert!(invalid(reg.import(wrong).await).contains("cuda-ipc"));
+        assert!(
+            invalid(reg.import(request("bad id", 64, vec![view(0, 64)])).await)
+                .contains("instance id")
+        );
+    }
+
+    #[tokio::test]
+    async fn seals_sealable_memfds_against_shrinking() {
+        let f = fixture().await;
+        let ctx = RuntimeContext {
+            fd_channel: Some(Arc::clone(&f.channel)),
+            ..RuntimeContext::default()
+        };
+        let strict = build(&toml::from_str("require_shrink_seal = true").unwrap(), &ctx).unwrap();
+        // A memfd created with MFD_ALLOW_SEALING: imported and sealed.
+        let fd = nix::sys::memfd::memfd_create(
+            c"sealable",
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .unwrap();
+        nix::unistd::ftruncate(&fd, 8192).unwrap();
+        pegaflow_api::fd::send_fd(f.channel.path(), "sealed", 0, fd.as_fd()).unwrap();
+        let regions = strict
+            .import(request("sealed", 8192, vec![view(0, 8192)]))
+            .await
+            .unwrap();
+        let seals = fcntl(fd.as_fd(), FcntlArg::F_GET_SEALS).unwrap();
+        assert_ne!(seals & SealFlag::F_SEAL_SHRINK.bits(), 0);
+        assert_eq!(nix::unistd::ftruncate(&fd, 4096), Err(Errno::EPERM));
+        drop(regions);
+        // A memfd without MFD_ALLOW_SEALING is refused by the strict registrar.
+        let mem = HostMemfd::new("unsealable", 8192).unwrap();
+        send(&f, "unsealed", &mem);
+        let msg = invalid(
+            strict
+                .import(request("unsealed", 8192, vec![view(0, 8192)]))
+                .await,
+        );
+        assert!(msg.contains("MFD_ALLOW_SEALING"), "{msg}");
+    }
+
+    #[test]
+    fn options_are_checked() {
+        let ctx = RuntimeContext::default();
+        let table = |s: &str| -> toml::Table { toml::from_str(s).unwrap() };
+        assert!(build(&table("fd_timeout_secs = 3"), &ctx).is_ok());
+        assert!(build(
+            &table("fd_timeout_secs = 0.5\nrequire_shrink_seal = true"),
+            &ctx
+        )
+        .is_ok());
+        assert!(build(&table("fd_timeout_secs = -1"), &ctx).is_err());
+        assert!(build(&table("fd_timeout_secs = \"10\""), &ctx).is_err());
+        assert!(build(&table("fd_timeout = 3"), &ctx).is_err());
+        assert!(build(&table("require_shrink_seal = 1"), &ctx).is_err());
+    }
+
+    #[test]
+    fn the_factory_is_registered() {
+        let f = pegaflow_runtime::registrar_factory("host-memfd").unwrap();
+        let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
+        assert_eq!(r.kind(), "host-memfd");
+        assert_eq!(r.payload(), PayloadKind::HostMemfd);
+    }
+}
