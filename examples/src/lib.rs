@@ -11,8 +11,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    CopyBatch, Direction, MemoryLocation, PluginOption, RuntimeContext, Transport,
-    TransportError, TransportFactory,
+    CopyBatch, Direction, MemoryLocation, PluginOption, RuntimeContext, Transport, TransportError,
+    TransportFactory,
 };
 
 /// The verifying host transport.

@@ -20,7 +20,11 @@ fn shipped_pipelines_parse() {
     }
     let d = load("default.toml");
     let e = PipelineConfig::embedded_default();
-    assert_eq!(d.to_toml(), e.to_toml(), "default.toml is the embedded default");
+    assert_eq!(
+        d.to_toml(),
+        e.to_toml(),
+        "default.toml is the embedded default"
+    );
 }
 
 #[test]
@@ -39,11 +43,17 @@ async fn unknown_kinds_fail_start_up_with_the_known_kinds() {
     let e = pegaflow_runtime::start(p).await.unwrap_err().to_string();
     assert!(e.contains("unknown tier kind \"nvme-of-dreams\""), "{e}");
     assert!(e.contains("dram"), "{e}");
-    let mut p = PipelineConfig::from_toml("[[tier]]\nkind = \"dram\"\ncapacity = \"1mb\"\n[[transport]]\nkind = \"rdma\"\n").unwrap();
+    let mut p = PipelineConfig::from_toml(
+        "[[tier]]\nkind = \"dram\"\ncapacity = \"1mb\"\n[[transport]]\nkind = \"rdma\"\n",
+    )
+    .unwrap();
     p.server.addr = "127.0.0.1:0".into();
     p.server.http_addr = "127.0.0.1:0".into();
     let e = pegaflow_runtime::start(p).await.unwrap_err().to_string();
-    assert!(e.contains("unknown transport kind \"rdma\"") && e.contains("memcpy-verify"), "{e}");
+    assert!(
+        e.contains("unknown transport kind \"rdma\"") && e.contains("memcpy-verify"),
+        "{e}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

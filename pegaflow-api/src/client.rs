@@ -6,8 +6,8 @@
 
 use std::path::Path;
 
-use pegaflow_proto as pb;
 use pb::engine_client::EngineClient as RawClient;
+use pegaflow_proto as pb;
 use tonic::transport::{Channel, Endpoint};
 
 use crate::memfd::HostMemfd;
@@ -238,7 +238,12 @@ impl EngineClient {
                 })
                 .collect(),
         };
-        let r = self.raw.save(req).await.map_err(rpc_err("Save"))?.into_inner();
+        let r = self
+            .raw
+            .save(req)
+            .await
+            .map_err(rpc_err("Save"))?
+            .into_inner();
         check("Save", r.status).map(drop)
     }
 
@@ -290,7 +295,12 @@ impl EngineClient {
 
     /// Load with a request built by the caller.
     pub async fn load(&mut self, req: pb::LoadRequest) -> Result<(), ApiError> {
-        let r = self.raw.load(req).await.map_err(rpc_err("Load"))?.into_inner();
+        let r = self
+            .raw
+            .load(req)
+            .await
+            .map_err(rpc_err("Load"))?
+            .into_inner();
         check("Load", r.status).map(drop)
     }
 

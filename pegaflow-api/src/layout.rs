@@ -238,7 +238,13 @@ mod tests {
         let l = KvLayout::new(4, 100, 2, 100, None, 800).unwrap();
         assert!(l.is_contiguous());
         let r: Vec<_> = l.ranges(3).unwrap().collect();
-        assert_eq!(r, vec![SegmentRange { offset: 600, len: 200 }]);
+        assert_eq!(
+            r,
+            vec![SegmentRange {
+                offset: 600,
+                len: 200
+            }]
+        );
         assert!(l.ranges(4).is_none());
     }
 
@@ -251,8 +257,14 @@ mod tests {
         assert_eq!(
             r,
             vec![
-                SegmentRange { offset: 64, len: 64 },
-                SegmentRange { offset: 320, len: 64 }
+                SegmentRange {
+                    offset: 64,
+                    len: 64
+                },
+                SegmentRange {
+                    offset: 320,
+                    len: 64
+                }
             ]
         );
         assert_eq!(l.block_bytes(), 128);
@@ -260,19 +272,43 @@ mod tests {
 
     #[test]
     fn rejects_bad_layouts() {
-        assert_eq!(KvLayout::new(0, 1, 1, 0, None, 10), Err(LayoutError::Zero("num_blocks")));
-        assert!(matches!(KvLayout::new(1, 8, 3, 8, None, 100), Err(LayoutError::Segments(3))));
-        assert!(matches!(KvLayout::new(1, 8, 2, 0, None, 100), Err(LayoutError::KvStride { .. })));
-        assert!(matches!(KvLayout::new(1, 8, 1, 16, None, 100), Err(LayoutError::KvStride { .. })));
+        assert_eq!(
+            KvLayout::new(0, 1, 1, 0, None, 10),
+            Err(LayoutError::Zero("num_blocks"))
+        );
+        assert!(matches!(
+            KvLayout::new(1, 8, 3, 8, None, 100),
+            Err(LayoutError::Segments(3))
+        ));
+        assert!(matches!(
+            KvLayout::new(1, 8, 2, 0, None, 100),
+            Err(LayoutError::KvStride { .. })
+        ));
+        assert!(matches!(
+            KvLayout::new(1, 8, 1, 16, None, 100),
+            Err(LayoutError::KvStride { .. })
+        ));
         // Split with V overlapping later K blocks.
-        assert!(matches!(KvLayout::new(4, 64, 2, 128, None, 1024), Err(LayoutError::Overlap { .. })));
+        assert!(matches!(
+            KvLayout::new(4, 64, 2, 128, None, 1024),
+            Err(LayoutError::Overlap { .. })
+        ));
         // One byte short.
         assert_eq!(
             KvLayout::new(4, 64, 2, 256, None, 511),
-            Err(LayoutError::OutOfBounds { needed: 512, available: 511 })
+            Err(LayoutError::OutOfBounds {
+                needed: 512,
+                available: 511
+            })
         );
-        assert_eq!(KvLayout::new(u64::MAX, 2, 1, 0, None, u64::MAX), Err(LayoutError::Overflow));
-        assert!(matches!(KvLayout::new(2, 64, 2, 64, Some(100), 1000), Err(LayoutError::Overlap { .. })));
+        assert_eq!(
+            KvLayout::new(u64::MAX, 2, 1, 0, None, u64::MAX),
+            Err(LayoutError::Overflow)
+        );
+        assert!(matches!(
+            KvLayout::new(2, 64, 2, 64, Some(100), 1000),
+            Err(LayoutError::Overlap { .. })
+        ));
     }
 
     #[test]

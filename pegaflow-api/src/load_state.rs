@@ -41,7 +41,9 @@ unsafe impl Sync for LoadState {}
 
 impl std::fmt::Debug for LoadState {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LoadState").field("name", &self.name).finish()
+        f.debug_struct("LoadState")
+            .field("name", &self.name)
+            .finish()
     }
 }
 
@@ -73,7 +75,10 @@ fn map(fd: &OwnedFd, len: usize, what: &str) -> Result<*mut u8, ApiError> {
         )
     };
     if p == libc::MAP_FAILED {
-        return Err(ApiError::io(what.to_string(), std::io::Error::last_os_error()));
+        return Err(ApiError::io(
+            what.to_string(),
+            std::io::Error::last_os_error(),
+        ));
     }
     Ok(p.cast())
 }
@@ -85,7 +90,10 @@ impl LoadState {
         let fd = shm_open(&name, libc::O_CREAT | libc::O_EXCL | libc::O_RDWR)?;
         // SAFETY: fd is a valid shm descriptor.
         if unsafe { libc::ftruncate(fd.as_raw_fd(), LOAD_STATE_BYTES as libc::off_t) } != 0 {
-            return Err(ApiError::io("ftruncate load state", std::io::Error::last_os_error()));
+            return Err(ApiError::io(
+                "ftruncate load state",
+                std::io::Error::last_os_error(),
+            ));
         }
         let ptr = map(&fd, LOAD_STATE_BYTES, "mmap load state")?;
         let offset = 8usize;
@@ -133,7 +141,8 @@ impl LoadState {
         };
         // SAFETY: ptr maps `len >= 32` bytes.
         let offset = unsafe { std::ptr::read_unaligned(ptr.cast::<u64>()) } as usize;
-        if offset < 8 || offset.checked_add(16).is_none_or(|e| e > len) || offset % 8 != 0 {
+        if offset < 8 || offset.checked_add(16).is_none_or(|e| e > len) || !offset.is_multiple_of(8)
+        {
             return Err(ApiError::InvalidArgument(format!(
                 "load state {name} has an invalid offset {offset}"
             )));
@@ -215,7 +224,10 @@ mod tests {
         b.set(LOAD_FAILED);
         assert_eq!(a.get(), LOAD_FAILED);
         let bytes = std::fs::read(format!("/dev/shm/{}", a.name())).unwrap();
-        assert_eq!(&bytes[..16], &[8, 0, 0, 0, 0, 0, 0, 0, 0x44, 0x4c, 0x46, 0x50, 1, 0, 0, 0]);
+        assert_eq!(
+            &bytes[..16],
+            &[8, 0, 0, 0, 0, 0, 0, 0, 0x44, 0x4c, 0x46, 0x50, 1, 0, 0, 0]
+        );
     }
 
     #[test]

@@ -100,7 +100,11 @@ impl HostBuffer {
         for p in self.pieces(offset, dst.len()) {
             // SAFETY: the piece lies inside an extent this buffer exclusively owns.
             unsafe {
-                std::ptr::copy_nonoverlapping(p.addr as *const u8, dst.as_mut_ptr().add(done), p.len)
+                std::ptr::copy_nonoverlapping(
+                    p.addr as *const u8,
+                    dst.as_mut_ptr().add(done),
+                    p.len,
+                )
             };
             done += p.len;
         }
@@ -161,8 +165,14 @@ mod tests {
         let mut b = vec![0u8; 10];
         let buf = HostBuffer::new(
             vec![
-                Extent { addr: a.as_mut_ptr() as usize, len: 10 },
-                Extent { addr: b.as_mut_ptr() as usize, len: 10 },
+                Extent {
+                    addr: a.as_mut_ptr() as usize,
+                    len: 10,
+                },
+                Extent {
+                    addr: b.as_mut_ptr() as usize,
+                    len: 10,
+                },
             ],
             Arc::new(Leak),
         );

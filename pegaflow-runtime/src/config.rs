@@ -48,9 +48,7 @@ pub fn parse_size(s: &str) -> anyhow::Result<u64> {
     if num.is_empty() {
         bail!("invalid size {s:?}: no number");
     }
-    let v: f64 = num
-        .parse()
-        .with_context(|| format!("invalid size {s:?}"))?;
+    let v: f64 = num.parse().with_context(|| format!("invalid size {s:?}"))?;
     let bytes = v * mult as f64;
     if !bytes.is_finite() || bytes < 0.0 || bytes > u64::MAX as f64 {
         bail!("invalid size {s:?}: out of range");
@@ -409,8 +407,10 @@ impl Cli {
         }
         if self.pool_shards > 1 {
             for t in p.tiers.iter_mut().filter(|t| t.kind == "dram") {
-                t.settings
-                    .insert("shards".into(), toml::Value::Integer(self.pool_shards as i64));
+                t.settings.insert(
+                    "shards".into(),
+                    toml::Value::Integer(self.pool_shards as i64),
+                );
             }
         }
         if !(0.0..=1.0).contains(&self.trace_sample_rate) {
@@ -435,7 +435,10 @@ impl Cli {
             missing("--nics", "the RDMA transport (transports/rdma)")?;
         }
         if self.metaserver_addr.is_some() {
-            missing("--metaserver-addr", "the MetaServer client (cross-node directory)")?;
+            missing(
+                "--metaserver-addr",
+                "the MetaServer client (cross-node directory)",
+            )?;
         }
         if self.enable_lfu_admission {
             missing("--enable-lfu-admission", "TinyLFU admission")?;
@@ -505,11 +508,20 @@ mod tests {
             "[server]\naddr = \"127.0.0.1:7\"\nlog_level = \"debug\"\n[[tier]]\nkind = \"dram\"\ncapacity = \"2gb\"\n",
         )
         .unwrap();
-        let cli = Cli::parse_from(["pegaflow-server", "--config", f.to_str().unwrap(), "--log-level", "warn"]);
+        let cli = Cli::parse_from([
+            "pegaflow-server",
+            "--config",
+            f.to_str().unwrap(),
+            "--log-level",
+            "warn",
+        ]);
         let p = cli.pipeline().unwrap();
         assert_eq!(p.server.addr, "127.0.0.1:7");
         assert_eq!(p.server.log_level, "warn");
-        assert_eq!(size_setting(&p.tiers[0].settings, "capacity").unwrap(), Some(2 << 30));
+        assert_eq!(
+            size_setting(&p.tiers[0].settings, "capacity").unwrap(),
+            Some(2 << 30)
+        );
     }
 
     #[test]

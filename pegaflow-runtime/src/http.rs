@@ -30,7 +30,10 @@ async fn health() -> &'static str {
 async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
     s.engine.update_gauges();
     (
-        [(axum::http::header::CONTENT_TYPE, "text/plain; version=0.0.4")],
+        [(
+            axum::http::header::CONTENT_TYPE,
+            "text/plain; version=0.0.4",
+        )],
         s.engine.metrics().render(),
     )
 }

@@ -6,12 +6,12 @@
 //! no backend: backends depend on it and register through `inventory`.
 
 pub mod buffer;
+pub mod config;
 pub mod engine;
 pub mod error;
-pub mod metrics;
-pub mod config;
 pub mod fault;
 pub mod fd_channel;
+pub mod metrics;
 pub mod plugin;
 
 pub use buffer::{Extent, HostBuffer, HostMemory};

@@ -85,49 +85,143 @@ impl Metrics {
         macro_rules! reg {
             ($m:expr) => {{
                 let m = $m.expect("valid metric");
-                registry.register(Box::new(m.clone())).expect("unique metric");
+                registry
+                    .register(Box::new(m.clone()))
+                    .expect("unique metric");
                 m
             }};
         }
         let g = |n: &str, h: &str| IntGauge::new(n, h);
         let c = |n: &str, h: &str| IntCounter::new(n, h);
         Self {
-            pool_capacity_bytes: reg!(g("pegaflow_pool_capacity_bytes", "Allocatable host pool bytes")),
+            pool_capacity_bytes: reg!(g(
+                "pegaflow_pool_capacity_bytes",
+                "Allocatable host pool bytes"
+            )),
             pool_used_bytes: reg!(g("pegaflow_pool_used_bytes", "Allocated host pool bytes")),
-            pool_alloc_failures: reg!(c("pegaflow_pool_alloc_failures_total", "Host allocations failing after eviction")),
-            inflight_bytes: reg!(g("pegaflow_inflight_bytes", "Bytes in blocks not yet sealed")),
-            inflight_gc_cleaned: reg!(c("pegaflow_inflight_gc_cleaned_total", "Stale unsealed blocks dropped")),
-            cache_resident_bytes: reg!(g("pegaflow_cache_resident_bytes", "Footprint of indexed blocks")),
-            cache_resident_blocks: reg!(IntGaugeVec::new(Opts::new("pegaflow_cache_resident_blocks", "Indexed blocks by class"), &["class"])),
-            cache_block_hits: reg!(c("pegaflow_cache_block_hits_total", "Blocks hit by prefix queries")),
-            cache_block_misses: reg!(c("pegaflow_cache_block_misses_total", "Blocks missed by prefix queries")),
-            cache_tier_block_requests: reg!(IntCounterVec::new(Opts::new("pegaflow_cache_tier_block_requests_total", "Per-block query decisions by tier"), &["tier"])),
-            cache_block_insertions: reg!(c("pegaflow_cache_block_insertions_total", "New index entries")),
-            cache_block_evictions: reg!(c("pegaflow_cache_block_evictions_total", "Index removals by pressure or cleanup")),
-            cache_block_evictions_by_class: reg!(IntCounterVec::new(Opts::new("pegaflow_cache_block_evictions_by_class_total", "Evictions by class"), &["class"])),
-            cache_block_evictions_still_referenced: reg!(c("pegaflow_cache_block_evictions_still_referenced_total", "Blocks removed while still referenced")),
-            cache_eviction_reclaimed_bytes: reg!(c("pegaflow_cache_eviction_reclaimed_bytes_total", "Pool bytes freed by eviction")),
+            pool_alloc_failures: reg!(c(
+                "pegaflow_pool_alloc_failures_total",
+                "Host allocations failing after eviction"
+            )),
+            inflight_bytes: reg!(g(
+                "pegaflow_inflight_bytes",
+                "Bytes in blocks not yet sealed"
+            )),
+            inflight_gc_cleaned: reg!(c(
+                "pegaflow_inflight_gc_cleaned_total",
+                "Stale unsealed blocks dropped"
+            )),
+            cache_resident_bytes: reg!(g(
+                "pegaflow_cache_resident_bytes",
+                "Footprint of indexed blocks"
+            )),
+            cache_resident_blocks: reg!(IntGaugeVec::new(
+                Opts::new("pegaflow_cache_resident_blocks", "Indexed blocks by class"),
+                &["class"]
+            )),
+            cache_block_hits: reg!(c(
+                "pegaflow_cache_block_hits_total",
+                "Blocks hit by prefix queries"
+            )),
+            cache_block_misses: reg!(c(
+                "pegaflow_cache_block_misses_total",
+                "Blocks missed by prefix queries"
+            )),
+            cache_tier_block_requests: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_cache_tier_block_requests_total",
+                    "Per-block query decisions by tier"
+                ),
+                &["tier"]
+            )),
+            cache_block_insertions: reg!(c(
+                "pegaflow_cache_block_insertions_total",
+                "New index entries"
+            )),
+            cache_block_evictions: reg!(c(
+                "pegaflow_cache_block_evictions_total",
+                "Index removals by pressure or cleanup"
+            )),
+            cache_block_evictions_by_class: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_cache_block_evictions_by_class_total",
+                    "Evictions by class"
+                ),
+                &["class"]
+            )),
+            cache_block_evictions_still_referenced: reg!(c(
+                "pegaflow_cache_block_evictions_still_referenced_total",
+                "Blocks removed while still referenced"
+            )),
+            cache_eviction_reclaimed_bytes: reg!(c(
+                "pegaflow_cache_eviction_reclaimed_bytes_total",
+                "Pool bytes freed by eviction"
+            )),
             cache_residence_duration: reg!(HistogramVec::new(
-                HistogramOpts::new("pegaflow_cache_residence_duration_seconds", "Insert to removal time")
-                    .buckets(vec![1.0, 10.0, 60.0, 300.0, 900.0, 3600.0, 4.0 * 3600.0, 24.0 * 3600.0]),
-                &["reason"])),
+                HistogramOpts::new(
+                    "pegaflow_cache_residence_duration_seconds",
+                    "Insert to removal time"
+                )
+                .buckets(vec![
+                    1.0,
+                    10.0,
+                    60.0,
+                    300.0,
+                    900.0,
+                    3600.0,
+                    4.0 * 3600.0,
+                    24.0 * 3600.0
+                ]),
+                &["reason"]
+            )),
             save_bytes: reg!(c("pegaflow_save_bytes_total", "Bytes copied by Save")),
-            save_duration: reg!(Histogram::with_opts(HistogramOpts::new("pegaflow_save_duration_seconds", "Save copy duration").buckets(exp_buckets(0.0001, 2.0, 18)))),
+            save_duration: reg!(Histogram::with_opts(
+                HistogramOpts::new("pegaflow_save_duration_seconds", "Save copy duration")
+                    .buckets(exp_buckets(0.0001, 2.0, 18))
+            )),
             load_bytes: reg!(c("pegaflow_load_bytes_total", "Bytes copied by Load")),
-            load_duration: reg!(Histogram::with_opts(HistogramOpts::new("pegaflow_load_duration_seconds", "Load copy duration").buckets(exp_buckets(0.0001, 2.0, 18)))),
-            load_failures: reg!(c("pegaflow_load_failures_total", "Loads failing after acceptance")),
-            rpc_requests: reg!(IntCounterVec::new(Opts::new("pegaflow_rpc_requests_total", "RPCs by method and status"), &["method", "status"])),
+            load_duration: reg!(Histogram::with_opts(
+                HistogramOpts::new("pegaflow_load_duration_seconds", "Load copy duration")
+                    .buckets(exp_buckets(0.0001, 2.0, 18))
+            )),
+            load_failures: reg!(c(
+                "pegaflow_load_failures_total",
+                "Loads failing after acceptance"
+            )),
+            rpc_requests: reg!(IntCounterVec::new(
+                Opts::new("pegaflow_rpc_requests_total", "RPCs by method and status"),
+                &["method", "status"]
+            )),
             rpc_duration: reg!(HistogramVec::new(
                 HistogramOpts::new("pegaflow_rpc_duration_seconds", "RPC duration").buckets(vec![
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
                 ]),
-                &["method", "status"])),
+                &["method", "status"]
+            )),
             leases_active: reg!(g("pegaflow_leases_active", "Live query leases")),
-            leases_expired: reg!(c("pegaflow_leases_expired_total", "Leases that expired unused")),
+            leases_expired: reg!(c(
+                "pegaflow_leases_expired_total",
+                "Leases that expired unused"
+            )),
             instances: reg!(g("pegaflow_instances", "Registered instances")),
-            transfer_failures: reg!(IntCounterVec::new(Opts::new("pegaflow_transfer_failures_total", "Failed copies by direction"), &["direction"])),
-            fd_channel_events: reg!(IntCounterVec::new(Opts::new("pegaflow_fd_channel_events_total", "Side-channel events by kind"), &["event"])),
-            fd_channel_pending: reg!(g("pegaflow_fd_channel_pending", "Descriptors received and not yet taken")),
+            transfer_failures: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_transfer_failures_total",
+                    "Failed copies by direction"
+                ),
+                &["direction"]
+            )),
+            fd_channel_events: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_fd_channel_events_total",
+                    "Side-channel events by kind"
+                ),
+                &["event"]
+            )),
+            fd_channel_pending: reg!(g(
+                "pegaflow_fd_channel_pending",
+                "Descriptors received and not yet taken"
+            )),
             registry,
         }
     }

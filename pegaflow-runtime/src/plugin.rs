@@ -275,8 +275,14 @@ pub struct RuntimeContext {
 impl std::fmt::Debug for RuntimeContext {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("RuntimeContext")
-            .field("fd_channel", &self.fd_channel.as_ref().map(|c| c.path().to_path_buf()))
-            .field("landing_tier", &self.landing_tier.as_ref().map(|t| t.kind()))
+            .field(
+                "fd_channel",
+                &self.fd_channel.as_ref().map(|c| c.path().to_path_buf()),
+            )
+            .field(
+                "landing_tier",
+                &self.landing_tier.as_ref().map(|t| t.kind()),
+            )
             .field("devices", &self.devices)
             .finish()
     }
@@ -407,28 +413,35 @@ pub fn registrar_factory(kind: &str) -> anyhow::Result<&'static RegistrarFactory
 pub fn describe_plugins() -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let mut section = |title: &str, rows: Vec<(&'static str, &'static str, &'static [PluginOption])>| {
-        let _ = writeln!(s, "{title}:");
-        let mut rows = rows;
-        rows.sort_by_key(|r| r.0);
-        for (kind, summary, opts) in rows {
-            let _ = writeln!(s, "  {kind:<12} {summary}");
-            for o in opts {
-                let _ = writeln!(s, "      {} = {}    {}", o.name, o.default, o.help);
+    let mut section =
+        |title: &str, rows: Vec<(&'static str, &'static str, &'static [PluginOption])>| {
+            let _ = writeln!(s, "{title}:");
+            let mut rows = rows;
+            rows.sort_by_key(|r| r.0);
+            for (kind, summary, opts) in rows {
+                let _ = writeln!(s, "  {kind:<12} {summary}");
+                for o in opts {
+                    let _ = writeln!(s, "      {} = {}    {}", o.name, o.default, o.help);
+                }
             }
-        }
-    };
+        };
     section(
         "tiers",
-        inventory::iter::<TierFactory>().map(|f| (f.kind, f.summary, f.options)).collect(),
+        inventory::iter::<TierFactory>()
+            .map(|f| (f.kind, f.summary, f.options))
+            .collect(),
     );
     section(
         "transports",
-        inventory::iter::<TransportFactory>().map(|f| (f.kind, f.summary, f.options)).collect(),
+        inventory::iter::<TransportFactory>()
+            .map(|f| (f.kind, f.summary, f.options))
+            .collect(),
     );
     section(
         "registrars",
-        inventory::iter::<RegistrarFactory>().map(|f| (f.kind, f.summary, f.options)).collect(),
+        inventory::iter::<RegistrarFactory>()
+            .map(|f| (f.kind, f.summary, f.options))
+            .collect(),
     );
     s
 }

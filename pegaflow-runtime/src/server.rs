@@ -72,7 +72,9 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         Some(c) => Some(
             FdChannel::bind(&c.path, FdChannelLimits::default())
                 .await
-                .with_context(|| format!("cannot bind the fd side channel at {}", c.path.display()))?,
+                .with_context(|| {
+                    format!("cannot bind the fd side channel at {}", c.path.display())
+                })?,
         ),
         None => None,
     };

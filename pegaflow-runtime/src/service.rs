@@ -84,7 +84,8 @@ impl EngineService {
     }
 }
 
-type SessionStream = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
+type SessionStream =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::SessionEvent, Status>> + Send>>;
 
 #[tonic::async_trait]
 impl pb::engine_server::Engine for EngineService {
@@ -97,25 +98,43 @@ impl pb::engine_server::Engine for EngineService {
         let req = request.into_inner();
         let r = Self::detached(async move { engine.register(req).await }).await;
         self.record("register_context_batch", t0, &r);
-        r.map(|()| Response::new(pb::RegisterContextResponse { status: ok_status() }))
+        r.map(|()| {
+            Response::new(pb::RegisterContextResponse {
+                status: ok_status(),
+            })
+        })
     }
 
-    async fn save(&self, request: Request<pb::SaveRequest>) -> Result<Response<pb::SaveResponse>, Status> {
+    async fn save(
+        &self,
+        request: Request<pb::SaveRequest>,
+    ) -> Result<Response<pb::SaveResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
         let req = request.into_inner();
         let r = Self::detached(async move { engine.save(req).await }).await;
         self.record("save", t0, &r);
-        r.map(|()| Response::new(pb::SaveResponse { status: ok_status() }))
+        r.map(|()| {
+            Response::new(pb::SaveResponse {
+                status: ok_status(),
+            })
+        })
     }
 
-    async fn load(&self, request: Request<pb::LoadRequest>) -> Result<Response<pb::LoadResponse>, Status> {
+    async fn load(
+        &self,
+        request: Request<pb::LoadRequest>,
+    ) -> Result<Response<pb::LoadResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
         let req = request.into_inner();
         let r = Self::detached(async move { engine.load(req).await }).await;
         self.record("load", t0, &r);
-        r.map(|()| Response::new(pb::LoadResponse { status: ok_status() }))
+        r.map(|()| {
+            Response::new(pb::LoadResponse {
+                status: ok_status(),
+            })
+        })
     }
 
     async fn query_prefetch(
@@ -154,7 +173,11 @@ impl pb::engine_server::Engine for EngineService {
         let id = request.into_inner().instance_id;
         let r = Self::detached(async move { engine.unregister(&id).await }).await;
         self.record("unregister_context", t0, &r);
-        r.map(|()| Response::new(pb::UnregisterResponse { status: ok_status() }))
+        r.map(|()| {
+            Response::new(pb::UnregisterResponse {
+                status: ok_status(),
+            })
+        })
     }
 
     async fn shutdown(
@@ -164,12 +187,17 @@ impl pb::engine_server::Engine for EngineService {
         tracing::info!("shutdown requested over gRPC");
         self.shutdown.notify_waiters();
         self.shutdown.notify_one();
-        let r = Ok(Response::new(pb::ShutdownResponse { status: ok_status() }));
+        let r = Ok(Response::new(pb::ShutdownResponse {
+            status: ok_status(),
+        }));
         self.record("shutdown", Instant::now(), &r);
         r
     }
 
-    async fn health(&self, _request: Request<pb::HealthRequest>) -> Result<Response<pb::HealthResponse>, Status> {
+    async fn health(
+        &self,
+        _request: Request<pb::HealthRequest>,
+    ) -> Result<Response<pb::HealthResponse>, Status> {
         let r = Ok(Response::new(pb::HealthResponse {
             status: ok_status(),
             fd_socket_path: self.fd_socket_path.clone(),
@@ -186,9 +214,9 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<Self::SessionStream>, Status> {
         let req = request.into_inner();
         if req.instance_id.is_empty() {
-            let r: Result<(), Status> = Err(Status::invalid_argument("instance_id must not be empty"));
-            self.record("session", Instant::now(), &r);
-            return Err(r.unwrap_err());
+            let status = Status::invalid_argument("instance_id must not be empty");
+            self.record::<()>("session", Instant::now(), &Err(status.clone()));
+            return Err(status);
         }
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
         self.sessions.lock().insert(req.instance_id.clone(), token);
@@ -249,10 +277,15 @@ impl pb::engine_server::Engine for EngineService {
         ))
     }
 
-    async fn flush(&self, _request: Request<pb::FlushRequest>) -> Result<Response<pb::FlushResponse>, Status> {
+    async fn flush(
+        &self,
+        _request: Request<pb::FlushRequest>,
+    ) -> Result<Response<pb::FlushResponse>, Status> {
         let t0 = Instant::now();
         self.engine.flush().await;
-        let r = Ok(Response::new(pb::FlushResponse { status: ok_status() }));
+        let r = Ok(Response::new(pb::FlushResponse {
+            status: ok_status(),
+        }));
         self.record("flush", t0, &r);
         r
     }

@@ -206,7 +206,14 @@ impl KvCache {
     }
 
     /// The native registration of this cache for one worker.
-    pub fn registration(&self, instance_id: &str, namespace: &str, tp_rank: u32, tp_size: u32, device_id: i32) -> NativeRegistration {
+    pub fn registration(
+        &self,
+        instance_id: &str,
+        namespace: &str,
+        tp_rank: u32,
+        tp_size: u32,
+        device_id: i32,
+    ) -> NativeRegistration {
         let s = self.shape;
         NativeRegistration {
             instance_id: instance_id.into(),
@@ -277,7 +284,11 @@ impl Worker {
     }
 
     /// Saves device blocks `ids` of every layer under `hashes`.
-    pub async fn save(&mut self, ids: &[u32], hashes: &[Vec<u8>]) -> Result<(), pegaflow_api::ApiError> {
+    pub async fn save(
+        &mut self,
+        ids: &[u32],
+        hashes: &[Vec<u8>],
+    ) -> Result<(), pegaflow_api::ApiError> {
         let saves = (0..self.kv.shape.layers)
             .map(|l| (KvShape::layer_name(l), ids.to_vec(), hashes.to_vec()))
             .collect();
@@ -287,7 +298,12 @@ impl Worker {
     }
 
     /// The Load request of `lease` into `targets` (one group of every layer).
-    pub fn load_request(&self, state: &LoadState, lease: &[u8], targets: &[Option<u32>]) -> pb::LoadRequest {
+    pub fn load_request(
+        &self,
+        state: &LoadState,
+        lease: &[u8],
+        targets: &[Option<u32>],
+    ) -> pb::LoadRequest {
         pb::LoadRequest {
             instance_id: self.instance_id.clone(),
             tp_rank: self.tp_rank,
@@ -312,7 +328,11 @@ impl Worker {
     }
 
     /// Loads `lease` into `targets` and waits for the load state; returns the final state.
-    pub async fn load(&mut self, lease: &[u8], targets: &[u32]) -> Result<i64, pegaflow_api::ApiError> {
+    pub async fn load(
+        &mut self,
+        lease: &[u8],
+        targets: &[u32],
+    ) -> Result<i64, pegaflow_api::ApiError> {
         let state = LoadState::create().expect("load state");
         let t: Vec<Option<u32>> = targets.iter().map(|&b| Some(b)).collect();
         let req = self.load_request(&state, lease, &t);

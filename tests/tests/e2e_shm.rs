@@ -66,7 +66,10 @@ async fn tp2_needs_both_ranks_and_both_load_once() {
     // Incomplete registration: saves are refused.
     let e = r0.save(&[0], &[hash_of("tp2", 0)]).await.unwrap_err();
     assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
-    assert!(e.to_string().contains("registration incomplete: 1/2"), "{e}");
+    assert!(
+        e.to_string().contains("registration incomplete: 1/2"),
+        "{e}"
+    );
     let mut r1 = Worker::register(&srv, "tp2", "ns", shape, 1, 2, 1).await;
     let hs = hashes("tp2", 8);
     let ids: Vec<u32> = (0..8).collect();
@@ -76,7 +79,11 @@ async fn tp2_needs_both_ranks_and_both_load_once() {
     }
     r0.save(&ids, &hs).await.unwrap();
     let (n, lease) = ready(r0.client.query("tp2", hs.clone(), "q").await.unwrap());
-    assert_eq!((n, lease.is_empty()), (0, true), "one rank's save alone gives 0 hits");
+    assert_eq!(
+        (n, lease.is_empty()),
+        (0, true),
+        "one rank's save alone gives 0 hits"
+    );
     r1.save(&ids, &hs).await.unwrap();
     let (n, lease) = ready(r0.client.query("tp2", hs.clone(), "q").await.unwrap());
     assert_eq!(n, 8);
@@ -114,7 +121,9 @@ async fn prefix_gap_and_namespace_semantics() {
     for (i, h) in hs.iter().enumerate() {
         g.kv.fill(i, h);
     }
-    g.save(&[0, 2, 3], &[hs[0].clone(), hs[2].clone(), hs[3].clone()]).await.unwrap();
+    g.save(&[0, 2, 3], &[hs[0].clone(), hs[2].clone(), hs[3].clone()])
+        .await
+        .unwrap();
     let (n, lease) = ready(g.client.query("gap", hs[..4].to_vec(), "b").await.unwrap());
     assert_eq!(n, 1);
     g.client.release(&lease).await.unwrap();
@@ -133,11 +142,15 @@ async fn prefix_gap_and_namespace_semantics() {
     let (n, lease) = ready(c.client.query("same-ns", hs.clone(), "f").await.unwrap());
     assert_eq!(n, 3);
     assert_eq!(c.load(&lease, &[10, 11, 12]).await.unwrap(), LOAD_SUCCESS);
-    for i in 0..3 {
-        assert!(c.kv.holds(10 + i, &hs[i]));
+    for (i, h) in hs.iter().take(3).enumerate() {
+        assert!(c.kv.holds(10 + i, h));
     }
     // Empty req_id.
-    let e = b.client.query("other-ns", hs.clone(), "").await.unwrap_err();
+    let e = b
+        .client
+        .query("other-ns", hs.clone(), "")
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Some(Code::InvalidArgument));
     assert!(e.to_string().contains("req_id must not be empty"));
 }
@@ -162,14 +175,21 @@ async fn leases_are_bound_released_once_and_expire() {
     let req = b.load_request(&state, &lease, &[Some(0), Some(1)]);
     let e = b.client.load(req).await.unwrap_err();
     assert_eq!(e.code(), Some(Code::FailedPrecondition));
-    assert!(e.to_string().contains("query lease belongs to instance la"), "{e}");
+    assert!(
+        e.to_string().contains("query lease belongs to instance la"),
+        "{e}"
+    );
     assert!(state.get() < 0);
     // Block count mismatch is INVALID_ARGUMENT and leaves the lease usable.
     let state = LoadState::create().unwrap();
     let req = a.load_request(&state, &lease, &[Some(0), Some(1), Some(2), Some(3)]);
     let e = a.client.load(req).await.unwrap_err();
     assert_eq!(e.code(), Some(Code::InvalidArgument));
-    assert!(e.to_string().contains("query lease block count 2 does not match destination block count 4"), "{e}");
+    assert!(
+        e.to_string()
+            .contains("query lease block count 2 does not match destination block count 4"),
+        "{e}"
+    );
     assert!(state.get() < 0);
     // Release twice.
     a.client.release(&lease).await.unwrap();
@@ -288,7 +308,10 @@ async fn session_drop_cleans_the_instance() {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    assert!(gone, "instance cleaned within a second of the session's end");
+    assert!(
+        gone,
+        "instance cleaned within a second of the session's end"
+    );
     let e = w.client.query("sess", hs.clone(), "q2").await.unwrap_err();
     assert_eq!(e.code(), Some(Code::FailedPrecondition));
     assert!(e.to_string().contains("instance sess not found"), "{e}");

@@ -37,36 +37,101 @@ async fn bad_registrations_are_rejected_with_the_published_codes() {
     let mut c = srv.client().await;
     type Mutate = fn(&mut pb::RegisterContextRequest);
     let cases: Vec<(&str, Mutate, Code, &str)> = vec![
-        ("negative device", |r| r.device_id = -1, Code::InvalidArgument, "device_id"),
-        ("tp_size 0", |r| r.tp_size = 0, Code::InvalidArgument, "tp_size"),
-        ("world_size 0", |r| r.world_size = 0, Code::InvalidArgument, "world_size"),
-        ("tp_rank >= tp_size", |r| r.tp_rank = 1, Code::InvalidArgument, "tp_rank"),
-        ("list mismatch", |r| r.layer_names.push("M".into()), Code::InvalidArgument, "entries"),
-        ("no layers", |r| {
-            r.layer_names.clear();
-            r.wrapper_bytes.clear();
-            r.num_blocks.clear();
-            r.bytes_per_block.clear();
-            r.kv_stride_bytes.clear();
-            r.segments.clear();
-        }, Code::InvalidArgument, "at least one layer"),
-        ("group ids mismatch", |r| r.layer_group_ids = vec![0, 1], Code::InvalidArgument, "layer_group_ids"),
-        ("duplicate layer", |r| {
-            r.layer_names = vec!["L".into(), "L".into()];
-            r.wrapper_bytes = vec![vec![1], vec![2]];
-            r.num_blocks = vec![1, 1];
-            r.bytes_per_block = vec![1, 1];
-            r.kv_stride_bytes = vec![0, 0];
-            r.segments = vec![1, 1];
-        }, Code::InvalidArgument, "duplicate layer"),
-        ("unknown version", |r| r.client_version = "0.26.0".into(), Code::FailedPrecondition, "client=0.26.0 server=0.25.1"),
-        ("missing version", |r| r.client_version.clear(), Code::FailedPrecondition, "client=<missing>"),
-        ("native fields from the Python version", |r| r.memory_kind = 1, Code::FailedPrecondition, "native wire revision"),
-        ("unknown transfer mode", |r| r.transfer_mode = 7, Code::InvalidArgument, "transfer_mode"),
-        ("page_first with groups", |r| {
-            r.page_first = true;
-            r.layer_group_ids = vec![1];
-        }, Code::InvalidArgument, "page_first"),
+        (
+            "negative device",
+            |r| r.device_id = -1,
+            Code::InvalidArgument,
+            "device_id",
+        ),
+        (
+            "tp_size 0",
+            |r| r.tp_size = 0,
+            Code::InvalidArgument,
+            "tp_size",
+        ),
+        (
+            "world_size 0",
+            |r| r.world_size = 0,
+            Code::InvalidArgument,
+            "world_size",
+        ),
+        (
+            "tp_rank >= tp_size",
+            |r| r.tp_rank = 1,
+            Code::InvalidArgument,
+            "tp_rank",
+        ),
+        (
+            "list mismatch",
+            |r| r.layer_names.push("M".into()),
+            Code::InvalidArgument,
+            "entries",
+        ),
+        (
+            "no layers",
+            |r| {
+                r.layer_names.clear();
+                r.wrapper_bytes.clear();
+                r.num_blocks.clear();
+                r.bytes_per_block.clear();
+                r.kv_stride_bytes.clear();
+                r.segments.clear();
+            },
+            Code::InvalidArgument,
+            "at least one layer",
+        ),
+        (
+            "group ids mismatch",
+            |r| r.layer_group_ids = vec![0, 1],
+            Code::InvalidArgument,
+            "layer_group_ids",
+        ),
+        (
+            "duplicate layer",
+            |r| {
+                r.layer_names = vec!["L".into(), "L".into()];
+                r.wrapper_bytes = vec![vec![1], vec![2]];
+                r.num_blocks = vec![1, 1];
+                r.bytes_per_block = vec![1, 1];
+                r.kv_stride_bytes = vec![0, 0];
+                r.segments = vec![1, 1];
+            },
+            Code::InvalidArgument,
+            "duplicate layer",
+        ),
+        (
+            "unknown version",
+            |r| r.client_version = "0.26.0".into(),
+            Code::FailedPrecondition,
+            "client=0.26.0 server=0.25.1",
+        ),
+        (
+            "missing version",
+            |r| r.client_version.clear(),
+            Code::FailedPrecondition,
+            "client=<missing>",
+        ),
+        (
+            "native fields from the Python version",
+            |r| r.memory_kind = 1,
+            Code::FailedPrecondition,
+            "native wire revision",
+        ),
+        (
+            "unknown transfer mode",
+            |r| r.transfer_mode = 7,
+            Code::InvalidArgument,
+            "transfer_mode",
+        ),
+        (
+            "page_first with groups",
+            |r| {
+                r.page_first = true;
+                r.layer_group_ids = vec![1];
+            },
+            Code::InvalidArgument,
+            "page_first",
+        ),
     ];
     for (name, mutate, code, needle) in cases {
         let mut r = base_register();
@@ -92,7 +157,10 @@ async fn native_layouts_out_of_bounds_are_refused() {
     // The last layer's view reaches one byte past the memfd.
     let mut reg = kv.registration("oob", "ns", 0, 1, 0);
     reg.layers[1].offset_bytes += 1;
-    let e = c.register_host_memfd(&srv.socket, &reg, &kv.mem).await.unwrap_err();
+    let e = c
+        .register_host_memfd(&srv.socket, &reg, &kv.mem)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
     // num_blocks larger than the view.
     let mut reg = kv.registration("oob", "ns", 0, 1, 0);
@@ -106,10 +174,15 @@ async fn native_layouts_out_of_bounds_are_refused() {
     assert!(e.to_string().contains("layer"), "{e}");
     // The fd of a failed registration was discarded, so a correct retry works at once.
     let good = kv.registration("oob", "ns", 0, 1, 0);
-    c.register_host_memfd(&srv.socket, &good, &kv.mem).await.unwrap();
+    c.register_host_memfd(&srv.socket, &good, &kv.mem)
+        .await
+        .unwrap();
     assert_eq!(srv.handle.engine.instance_ids(), vec!["oob".to_string()]);
     // The same device twice.
-    let e = c.register_host_memfd(&srv.socket, &good, &kv.mem).await.unwrap_err();
+    let e = c
+        .register_host_memfd(&srv.socket, &good, &kv.mem)
+        .await
+        .unwrap_err();
     assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
     assert!(e.to_string().contains("already"), "{e}");
 }
@@ -135,29 +208,87 @@ async fn bad_saves_and_loads_change_nothing() {
         }],
     };
     let cases: Vec<(&str, pb::SaveRequest, Code)> = vec![
-        ("ids/hashes mismatch", save(&layer, vec![0, 1], hs[..1].to_vec()), Code::InvalidArgument),
-        ("block id past the registration", save(&layer, vec![8], hs[..1].to_vec()), Code::InvalidArgument),
-        ("block id u32::MAX", save(&layer, vec![u32::MAX], hs[..1].to_vec()), Code::InvalidArgument),
-        ("unknown layer", save("nope", vec![0], hs[..1].to_vec()), Code::InvalidArgument),
-        ("negative device", pb::SaveRequest { device_id: -3, ..save(&layer, vec![0], hs[..1].to_vec()) }, Code::InvalidArgument),
-        ("unknown device", pb::SaveRequest { device_id: 5, ..save(&layer, vec![0], hs[..1].to_vec()) }, Code::FailedPrecondition),
-        ("pp_rank mismatch", pb::SaveRequest { pp_rank: 1, ..save(&layer, vec![0], hs[..1].to_vec()) }, Code::InvalidArgument),
-        ("unknown instance", pb::SaveRequest { instance_id: "zz".into(), ..save(&layer, vec![0], hs[..1].to_vec()) }, Code::FailedPrecondition),
+        (
+            "ids/hashes mismatch",
+            save(&layer, vec![0, 1], hs[..1].to_vec()),
+            Code::InvalidArgument,
+        ),
+        (
+            "block id past the registration",
+            save(&layer, vec![8], hs[..1].to_vec()),
+            Code::InvalidArgument,
+        ),
+        (
+            "block id u32::MAX",
+            save(&layer, vec![u32::MAX], hs[..1].to_vec()),
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown layer",
+            save("nope", vec![0], hs[..1].to_vec()),
+            Code::InvalidArgument,
+        ),
+        (
+            "negative device",
+            pb::SaveRequest {
+                device_id: -3,
+                ..save(&layer, vec![0], hs[..1].to_vec())
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown device",
+            pb::SaveRequest {
+                device_id: 5,
+                ..save(&layer, vec![0], hs[..1].to_vec())
+            },
+            Code::FailedPrecondition,
+        ),
+        (
+            "pp_rank mismatch",
+            pb::SaveRequest {
+                pp_rank: 1,
+                ..save(&layer, vec![0], hs[..1].to_vec())
+            },
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown instance",
+            pb::SaveRequest {
+                instance_id: "zz".into(),
+                ..save(&layer, vec![0], hs[..1].to_vec())
+            },
+            Code::FailedPrecondition,
+        ),
     ];
     for (name, req, code) in cases {
         let e = w.client.raw().save(req).await.unwrap_err();
         assert_eq!(e.code(), code, "{name}: {e:?}");
     }
-    assert_eq!(srv.handle.engine.index().resident_blocks(), 0, "nothing saved");
-    assert_eq!(srv.handle.engine.landing_tier().used_bytes(), 0, "nothing allocated");
+    assert_eq!(
+        srv.handle.engine.index().resident_blocks(),
+        0,
+        "nothing saved"
+    );
+    assert_eq!(
+        srv.handle.engine.landing_tier().used_bytes(),
+        0,
+        "nothing allocated"
+    );
     // pp_rank mismatch names the device and the pp_rank.
     let e = w
         .client
         .raw()
-        .save(pb::SaveRequest { pp_rank: 1, ..save(&layer, vec![0], hs[..1].to_vec()) })
+        .save(pb::SaveRequest {
+            pp_rank: 1,
+            ..save(&layer, vec![0], hs[..1].to_vec())
+        })
         .await
         .unwrap_err();
-    assert!(e.message().contains("device_id 0") && e.message().contains("pp_rank 1"), "{e:?}");
+    assert!(
+        e.message().contains("device_id 0") && e.message().contains("pp_rank 1"),
+        "{e:?}"
+    );
 
     // A good save, then loads that must not touch memory.
     w.save(&[0, 1, 2, 3], &hs).await.unwrap();
@@ -170,7 +301,10 @@ async fn bad_saves_and_loads_change_nothing() {
     let target = |b: Option<u32>| pb::LoadBlockTarget {
         target: b.map(pb::load_block_target::Target::BlockId),
     };
-    let load = |state: &LoadState, lease: Vec<u8>, targets: Vec<Option<u32>>, names: Vec<String>| pb::LoadRequest {
+    let load = |state: &LoadState,
+                lease: Vec<u8>,
+                targets: Vec<Option<u32>>,
+                names: Vec<String>| pb::LoadRequest {
         instance_id: "v".into(),
         tp_rank: 0,
         device_id: 0,
@@ -185,26 +319,82 @@ async fn bad_saves_and_loads_change_nothing() {
         wait_for_completion: false,
     };
     let some = |v: &[u32]| v.iter().map(|&b| Some(b)).collect::<Vec<_>>();
-    let cases: Vec<(&str, Vec<u8>, Vec<Option<u32>>, Vec<String>, Code)> = vec![
-        ("target past the registration", lease.clone(), some(&[0, 1, 2, 8]), names.clone(), Code::InvalidArgument),
-        ("count mismatch", lease.clone(), some(&[0, 1]), names.clone(), Code::InvalidArgument),
-        ("lease of 15 bytes", lease[..15].to_vec(), some(&[0, 1, 2, 3]), names.clone(), Code::InvalidArgument),
-        ("empty lease", vec![], some(&[0, 1, 2, 3]), names.clone(), Code::InvalidArgument),
-        ("unknown lease", vec![7; 16], some(&[0, 1, 2, 3]), names.clone(), Code::FailedPrecondition),
-        ("unknown layer", lease.clone(), some(&[0, 1, 2, 3]), vec!["nope".into()], Code::InvalidArgument),
-        ("duplicate layer", lease.clone(), some(&[0, 1, 2, 3]), vec![names[0].clone(), names[0].clone()], Code::InvalidArgument),
+    type LoadCase = (&'static str, Vec<u8>, Vec<Option<u32>>, Vec<String>, Code);
+    let cases: Vec<LoadCase> = vec![
+        (
+            "target past the registration",
+            lease.clone(),
+            some(&[0, 1, 2, 8]),
+            names.clone(),
+            Code::InvalidArgument,
+        ),
+        (
+            "count mismatch",
+            lease.clone(),
+            some(&[0, 1]),
+            names.clone(),
+            Code::InvalidArgument,
+        ),
+        (
+            "lease of 15 bytes",
+            lease[..15].to_vec(),
+            some(&[0, 1, 2, 3]),
+            names.clone(),
+            Code::InvalidArgument,
+        ),
+        (
+            "empty lease",
+            vec![],
+            some(&[0, 1, 2, 3]),
+            names.clone(),
+            Code::InvalidArgument,
+        ),
+        (
+            "unknown lease",
+            vec![7; 16],
+            some(&[0, 1, 2, 3]),
+            names.clone(),
+            Code::FailedPrecondition,
+        ),
+        (
+            "unknown layer",
+            lease.clone(),
+            some(&[0, 1, 2, 3]),
+            vec!["nope".into()],
+            Code::InvalidArgument,
+        ),
+        (
+            "duplicate layer",
+            lease.clone(),
+            some(&[0, 1, 2, 3]),
+            vec![names[0].clone(), names[0].clone()],
+            Code::InvalidArgument,
+        ),
     ];
     for (name, l, t, n, code) in cases {
         let state = LoadState::create().unwrap();
-        let e = w.client.raw().load(load(&state, l, t, n)).await.unwrap_err();
+        let e = w
+            .client
+            .raw()
+            .load(load(&state, l, t, n))
+            .await
+            .unwrap_err();
         assert_eq!(e.code(), code, "{name}: {e:?}");
         assert_eq!(state.get(), -1, "{name}: the load state reports failure");
     }
     for b in 0..8 {
-        assert!(w.kv.is_filled_with(b, 0xEE), "block {b} untouched by rejected loads");
+        assert!(
+            w.kv.is_filled_with(b, 0xEE),
+            "block {b} untouched by rejected loads"
+        );
     }
     // A missing load state is INTERNAL and nothing is consumed: the lease still loads.
-    let mut bad = load(&LoadState::create().unwrap(), lease.clone(), some(&[0, 1, 2, 3]), names.clone());
+    let mut bad = load(
+        &LoadState::create().unwrap(),
+        lease.clone(),
+        some(&[0, 1, 2, 3]),
+        names.clone(),
+    );
     bad.load_state_shm = "pega_load_missing".into();
     let e = w.client.raw().load(bad).await.unwrap_err();
     assert_eq!(e.code(), Code::Internal, "{e:?}");
@@ -212,7 +402,12 @@ async fn bad_saves_and_loads_change_nothing() {
     let state = LoadState::create().unwrap();
     w.client
         .raw()
-        .load(load(&state, lease.clone(), vec![None, Some(0), None, Some(5)], names.clone()))
+        .load(load(
+            &state,
+            lease.clone(),
+            vec![None, Some(0), None, Some(5)],
+            names.clone(),
+        ))
         .await
         .unwrap();
     assert_eq!(wait_state(&state).await, 1);

@@ -9,7 +9,7 @@
 //! takes the smallest stamp among evictable entries of all shards, so the order is exact LRU.
 
 use std::collections::BTreeMap;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::{BuildHasher, Hash};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 use std::time::Instant;
@@ -140,9 +140,7 @@ impl BlockIndex {
     }
 
     fn shard(&self, key: &KeyRef<'_>) -> &Mutex<Shard> {
-        let mut h = self.hasher.build_hasher();
-        key.hash(&mut h);
-        &self.shards[(h.finish() as usize) % SHARDS]
+        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
     }
 
     fn tick(&self) -> u64 {
@@ -282,12 +280,24 @@ mod tests {
         }
         assert!(!ix.insert(key("a", 0), block(10)), "no overwrite");
         // Touch 0: now 1 is the oldest.
-        let r = KeyRef { namespace: "a", group: 0, hash: &[0] };
+        let r = KeyRef {
+            namespace: "a",
+            group: 0,
+            hash: &[0],
+        };
         assert!(ix.get_touch(r).is_some());
         let e = ix.evict_lru().unwrap();
         drop(e);
-        assert!(!ix.contains(KeyRef { namespace: "a", group: 0, hash: &[1] }));
-        assert!(ix.contains(KeyRef { namespace: "a", group: 0, hash: &[0] }));
+        assert!(!ix.contains(KeyRef {
+            namespace: "a",
+            group: 0,
+            hash: &[1]
+        }));
+        assert!(ix.contains(KeyRef {
+            namespace: "a",
+            group: 0,
+            hash: &[0]
+        }));
         assert_eq!(ix.resident_blocks(), 4);
         assert_eq!(ix.resident_bytes(), 40);
     }
@@ -297,12 +307,28 @@ mod tests {
         let ix = BlockIndex::new();
         ix.insert(key("a", 1), block(1));
         ix.insert(key("a", 2), block(1));
-        let held = ix.get_touch(KeyRef { namespace: "a", group: 0, hash: &[1] }).unwrap();
-        let held2 = ix.get_touch(KeyRef { namespace: "a", group: 0, hash: &[2] }).unwrap();
+        let held = ix
+            .get_touch(KeyRef {
+                namespace: "a",
+                group: 0,
+                hash: &[1],
+            })
+            .unwrap();
+        let held2 = ix
+            .get_touch(KeyRef {
+                namespace: "a",
+                group: 0,
+                hash: &[2],
+            })
+            .unwrap();
         assert!(ix.evict_lru().is_none());
         drop(held2);
         assert!(ix.evict_lru().is_some());
-        assert!(ix.contains(KeyRef { namespace: "a", group: 0, hash: &[1] }));
+        assert!(ix.contains(KeyRef {
+            namespace: "a",
+            group: 0,
+            hash: &[1]
+        }));
         drop(held);
     }
 
@@ -310,7 +336,15 @@ mod tests {
     fn namespaces_and_groups_are_distinct_keys() {
         let ix = BlockIndex::new();
         ix.insert(key("a", 1), block(1));
-        assert!(!ix.contains(KeyRef { namespace: "b", group: 0, hash: &[1] }));
-        assert!(!ix.contains(KeyRef { namespace: "a", group: 1, hash: &[1] }));
+        assert!(!ix.contains(KeyRef {
+            namespace: "b",
+            group: 0,
+            hash: &[1]
+        }));
+        assert!(!ix.contains(KeyRef {
+            namespace: "a",
+            group: 1,
+            hash: &[1]
+        }));
     }
 }

@@ -130,7 +130,11 @@ impl Topology {
     }
 
     /// Seals a topology from the workers (all `world_size` of them).
-    pub fn seal(workers: &BTreeMap<i32, Arc<Worker>>, tp_size: u32, page_first: bool) -> EngineResult<Self> {
+    pub fn seal(
+        workers: &BTreeMap<i32, Arc<Worker>>,
+        tp_size: u32,
+        page_first: bool,
+    ) -> EngineResult<Self> {
         // Union of layer names with geometry and group consistency.
         let mut names: BTreeMap<&str, (&KvLayout, u32)> = BTreeMap::new();
         for w in workers.values() {
@@ -324,9 +328,10 @@ pub struct WorkerLease {
 impl Instance {
     /// Acquires the gate without waiting and resolves the worker for `device_id`.
     pub fn enter(self: &Arc<Self>, device_id: i32) -> EngineResult<WorkerLease> {
-        let guard = self.gate.clone().try_read_owned().map_err(|_| {
-            EngineError::precondition(format!("instance {} is closing", self.id))
-        })?;
+        let guard =
+            self.gate.clone().try_read_owned().map_err(|_| {
+                EngineError::precondition(format!("instance {} is closing", self.id))
+            })?;
         let st = self.state.lock();
         if st.closing {
             return Err(EngineError::precondition(format!(

@@ -40,7 +40,9 @@ pub struct LeaseTable {
 
 impl std::fmt::Debug for LeaseTable {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("LeaseTable").field("live", &self.len()).finish()
+        f.debug_struct("LeaseTable")
+            .field("live", &self.len())
+            .finish()
     }
 }
 
@@ -126,7 +128,11 @@ impl LeaseTable {
     }
 
     /// The blocks of a live lease of `instance_id`, without consuming it.
-    pub fn peek(&self, id: &[u8; LEASE_BYTES], instance_id: &str) -> EngineResult<Arc<[Arc<SealedBlock>]>> {
+    pub fn peek(
+        &self,
+        id: &[u8; LEASE_BYTES],
+        instance_id: &str,
+    ) -> EngineResult<Arc<[Arc<SealedBlock>]>> {
         let g = self.inner.lock();
         let l = g
             .leases
@@ -143,7 +149,11 @@ impl LeaseTable {
     }
 
     /// Consumes one share of a lease (one worker's Load). The last share removes it.
-    pub fn consume(&self, id: &[u8; LEASE_BYTES], instance_id: &str) -> EngineResult<Arc<[Arc<SealedBlock>]>> {
+    pub fn consume(
+        &self,
+        id: &[u8; LEASE_BYTES],
+        instance_id: &str,
+    ) -> EngineResult<Arc<[Arc<SealedBlock>]>> {
         let mut g = self.inner.lock();
         let now = Instant::now();
         let l = match g.leases.get_mut(id) {
@@ -218,10 +228,17 @@ mod tests {
         let t = LeaseTable::new(Duration::from_secs(60), 10);
         let a: Arc<str> = "a".into();
         let id = t.mint(&a, vec![], 2).unwrap();
-        assert!(t.consume(&id, "b").unwrap_err().to_string().contains("belongs to instance a"));
+        assert!(t
+            .consume(&id, "b")
+            .unwrap_err()
+            .to_string()
+            .contains("belongs to instance a"));
         t.consume(&id, "a").unwrap();
         t.consume(&id, "a").unwrap();
-        assert_eq!(t.consume(&id, "a").unwrap_err(), EngineError::precondition(UNKNOWN));
+        assert_eq!(
+            t.consume(&id, "a").unwrap_err(),
+            EngineError::precondition(UNKNOWN)
+        );
     }
 
     #[test]
@@ -244,7 +261,10 @@ mod tests {
         let a: Arc<str> = "a".into();
         t.mint(&a, vec![], 1).unwrap();
         let id = t.mint(&a, vec![], 1).unwrap();
-        assert!(matches!(t.mint(&a, vec![], 1), Err(EngineError::ResourceExhausted(_))));
+        assert!(matches!(
+            t.mint(&a, vec![], 1),
+            Err(EngineError::ResourceExhausted(_))
+        ));
         t.release(&id).unwrap();
         t.mint(&a, vec![], 1).unwrap();
         assert_eq!(t.drop_instance("a"), 2);

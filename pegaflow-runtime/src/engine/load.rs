@@ -23,7 +23,13 @@ struct Prepared {
 }
 
 /// Appends ops copying `len` bytes of `slot` at `slot_off` into `layer`'s block `dst`.
-fn push_load_ops(ops: &mut Vec<CopyOp>, layer: &WorkerLayer, dst: u64, slot: &super::Slot, slot_off: usize) {
+fn push_load_ops(
+    ops: &mut Vec<CopyOp>,
+    layer: &WorkerLayer,
+    dst: u64,
+    slot: &super::Slot,
+    slot_off: usize,
+) {
     super::save::push_ops(ops, layer, dst, &slot.buf, slot.offset + slot_off);
 }
 
@@ -125,7 +131,9 @@ impl Engine {
             return Ok(None);
         }
         if req.groups.is_empty() {
-            return Err(EngineError::invalid("a load needs at least one layer group"));
+            return Err(EngineError::invalid(
+                "a load needs at least one layer group",
+            ));
         }
         let topo = wl.topology.clone();
         // Resolve load groups to layers and one storage group each.

@@ -103,11 +103,9 @@ impl std::fmt::Debug for Engine {
 impl Engine {
     /// Builds the engine. The first tier must be host-addressable (the landing tier).
     pub fn new(parts: EngineParts) -> anyhow::Result<Arc<Self>> {
-        let landing = parts
-            .tiers
-            .first()
-            .cloned()
-            .ok_or_else(|| anyhow::anyhow!("the pipeline has no tier; add a [[tier]] kind = \"dram\""))?;
+        let landing = parts.tiers.first().cloned().ok_or_else(|| {
+            anyhow::anyhow!("the pipeline has no tier; add a [[tier]] kind = \"dram\"")
+        })?;
         if !landing.capabilities().host_addressable {
             anyhow::bail!(
                 "the first tier ({}) must be host-addressable (the landing tier, e.g. dram)",
@@ -174,7 +172,12 @@ impl Engine {
 
     /// Ids of the registered instances, sorted.
     pub fn instance_ids(&self) -> Vec<String> {
-        let mut v: Vec<String> = self.instances.read().keys().map(|k| k.to_string()).collect();
+        let mut v: Vec<String> = self
+            .instances
+            .read()
+            .keys()
+            .map(|k| k.to_string())
+            .collect();
         v.sort();
         v
     }
@@ -182,9 +185,11 @@ impl Engine {
     /// Refreshes the gauges derived from state (pool, index, leases, instances).
     pub fn update_gauges(&self) {
         let m = &self.metrics;
-        m.pool_capacity_bytes.set(self.landing.capacity_bytes() as i64);
+        m.pool_capacity_bytes
+            .set(self.landing.capacity_bytes() as i64);
         m.pool_used_bytes.set(self.landing.used_bytes() as i64);
-        m.cache_resident_bytes.set(self.index.resident_bytes() as i64);
+        m.cache_resident_bytes
+            .set(self.index.resident_bytes() as i64);
         m.cache_resident_blocks
             .with_label_values(&["retained"])
             .set(self.index.resident_blocks() as i64);

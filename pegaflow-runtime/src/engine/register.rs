@@ -72,7 +72,9 @@ fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
     })?;
     let n = req.layer_names.len();
     if n == 0 {
-        return Err(EngineError::invalid("at least one layer must be registered"));
+        return Err(EngineError::invalid(
+            "at least one layer must be registered",
+        ));
     }
     let lens = [
         ("num_blocks", req.num_blocks.len()),
@@ -248,7 +250,9 @@ impl Engine {
     fn discard_pending_fd(&self, req: &pb::RegisterContextRequest) {
         let native = req.memory_kind != 0 || !req.native_kv_tensors.is_empty();
         if let (true, Some(c)) = (native, &self.fd_channel) {
-            if is_side_channel_safe_id(&req.instance_id) && c.discard(&req.instance_id, req.device_id) {
+            if is_side_channel_safe_id(&req.instance_id)
+                && c.discard(&req.instance_id, req.device_id)
+            {
                 tracing::info!(instance = %req.instance_id, device = req.device_id, "discarded the side-channel fd of a failed registration");
             }
         }
@@ -264,7 +268,10 @@ impl Engine {
         let mut map = self.instances.write();
         let inst = match map.get(req.instance_id.as_str()) {
             Some(i) => {
-                if i.tp_size != req.tp_size || i.world_size != req.world_size || i.page_first != req.page_first {
+                if i.tp_size != req.tp_size
+                    || i.world_size != req.world_size
+                    || i.page_first != req.page_first
+                {
                     return Err(EngineError::precondition(format!(
                         "topology mismatch for instance {}: registered tp_size={} world_size={} page_first={}, got tp_size={} world_size={} page_first={}",
                         i.id, i.tp_size, i.world_size, i.page_first, req.tp_size, req.world_size, req.page_first
@@ -435,10 +442,7 @@ impl Engine {
                     );
                 }
                 Err(e) => {
-                    return Err((
-                        EngineError::invalid(format!("layer {name}: {e}")),
-                        regions,
-                    ))
+                    return Err((EngineError::invalid(format!("layer {name}: {e}")), regions))
                 }
             }
         }

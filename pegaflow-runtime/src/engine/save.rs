@@ -82,7 +82,11 @@ impl Engine {
             }
         }
         let inst = self.instance(&req.instance_id)?;
-        let saves: Vec<&pb::SaveLayer> = req.saves.iter().filter(|s| !s.block_ids.is_empty()).collect();
+        let saves: Vec<&pb::SaveLayer> = req
+            .saves
+            .iter()
+            .filter(|s| !s.block_ids.is_empty())
+            .collect();
         if saves.is_empty() {
             return Ok(());
         }
@@ -125,9 +129,9 @@ impl Engine {
             // Every layer of the worker's shard, with identical ids and hashes.
             let first = saves[0];
             let complete = saves.len() == w.layers.len()
-                && saves
-                    .iter()
-                    .all(|s| s.block_ids == first.block_ids && s.block_hashes == first.block_hashes);
+                && saves.iter().all(|s| {
+                    s.block_ids == first.block_ids && s.block_hashes == first.block_hashes
+                });
             if !complete {
                 return Err(EngineError::invalid(format!(
                     "page-first save must carry all {} layers of the shard with the same block ids and hashes",
