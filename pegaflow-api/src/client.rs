@@ -65,6 +65,8 @@ pub struct NativeRegistration {
     pub layers: Vec<NativeLayer>,
     /// Storage group of each layer (empty: all group 0).
     pub layer_group_ids: Vec<u32>,
+    /// Store all of a block's layers of this worker as one page (one group only).
+    pub page_first: bool,
 }
 
 impl NativeRegistration {
@@ -88,7 +90,7 @@ impl NativeRegistration {
             pp_rank: self.pp_rank,
             client_version: pb::NATIVE_CLIENT_VERSION.to_string(),
             transfer_mode: pb::TransferMode::Direct as i32,
-            page_first: false,
+            page_first: self.page_first,
             layer_group_ids: self.layer_group_ids.clone(),
             native_kv_tensors: l
                 .iter()

@@ -29,9 +29,11 @@ impl HostMemfd {
         }
         let cname = std::ffi::CString::new(name)
             .map_err(|_| ApiError::InvalidArgument("memfd name contains NUL".into()))?;
-        let fd =
-            nix::sys::memfd::memfd_create(cname.as_c_str(), nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
-                .map_err(|e| ApiError::io("memfd_create", e.into()))?;
+        let fd = nix::sys::memfd::memfd_create(
+            cname.as_c_str(),
+            nix::sys::memfd::MFdFlags::MFD_CLOEXEC | nix::sys::memfd::MFdFlags::MFD_ALLOW_SEALING,
+        )
+        .map_err(|e| ApiError::io("memfd_create", e.into()))?;
         nix::unistd::ftruncate(&fd, len_bytes as libc::off_t)
             .map_err(|e| ApiError::io("ftruncate memfd", e.into()))?;
         // SAFETY: the memfd is ours and sized to len_bytes; shared mappings of it are the point.

@@ -235,6 +235,7 @@ impl KvCache {
                 })
                 .collect(),
             layer_group_ids: vec![],
+            page_first: false,
         }
     }
 }
@@ -281,6 +282,42 @@ impl Worker {
             kv,
             client,
         }
+    }
+
+    /// Registers a fresh cache with a registration the caller shaped (groups, page-first).
+    pub async fn register_with(
+        server: &TestServer,
+        shape: KvShape,
+        reg: NativeRegistration,
+    ) -> Result<Self, pegaflow_api::ApiError> {
+        let kv = KvCache::new(shape);
+        let mut client = server.client().await;
+        client
+            .register_host_memfd(&server.socket, &reg, &kv.mem)
+            .await?;
+        Ok(Self {
+            instance_id: reg.instance_id.clone(),
+            tp_rank: reg.tp_rank,
+            device_id: reg.device_id,
+            kv,
+            client,
+        })
+    }
+
+    /// Saves device blocks `ids` of the given layers under `hashes`.
+    pub async fn save_layers(
+        &mut self,
+        layers: &[usize],
+        ids: &[u32],
+        hashes: &[Vec<u8>],
+    ) -> Result<(), pegaflow_api::ApiError> {
+        let saves = layers
+            .iter()
+            .map(|&l| (KvShape::layer_name(l), ids.to_vec(), hashes.to_vec()))
+            .collect();
+        self.client
+            .save(&self.instance_id, self.tp_rank, 0, self.device_id, saves)
+            .await
     }
 
     /// Saves device blocks `ids` of every layer under `hashes`.
