@@ -45,6 +45,11 @@ impl Default for ServerOptions {
 impl TestServer {
     /// Starts a server on ephemeral loopback ports with a side channel in a temp dir.
     pub async fn start(opts: ServerOptions) -> Self {
+        Self::start_with(opts, |_| {}).await
+    }
+
+    /// Like [`TestServer::start`], letting `edit` change the pipeline before start-up.
+    pub async fn start_with(opts: ServerOptions, edit: impl FnOnce(&mut PipelineConfig)) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("fd.sock");
         let mut p = PipelineConfig::embedded_default();
@@ -58,6 +63,7 @@ impl TestServer {
             "capacity".into(),
             toml::Value::Integer(opts.capacity_bytes as i64),
         );
+        edit(&mut p);
         let handle = pegaflow_runtime::start(p).await.expect("server starts");
         Self {
             handle,
@@ -404,3 +410,21 @@ pub fn ready(q: pegaflow_api::client::QueryOutcome) -> (u64, Vec<u8>) {
 
 /// Shared pointer alias for tests that move workers across tasks.
 pub type Shared<T> = Arc<tokio::sync::Mutex<T>>;
+
+/// A minimal HTTP/1.1 request to the server's HTTP endpoints: `(status, body)`.
+pub async fn http(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect http");
+    let req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.expect("write");
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.expect("read");
+    let text = String::from_utf8_lossy(&buf).into_owned();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or(0);
+    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("").to_string();
+    (status, body)
+}
