@@ -393,3 +393,12 @@ def test_tp2_blocks_seal_when_every_rank_saved_and_each_rank_loads_once(server, 
         assert st.get_state() < 0
     finally:
         client.unregister_context(uid)
+
+
+def test_requests_larger_than_tonics_default_4mib_are_accepted(client, native):
+    """The published client sends up to 64 MiB; the server must not keep tonic's 4 MiB limit."""
+    inst, _ = native
+    many = [os.urandom(32) for _ in range(200_000)]  # ~7 MiB on the wire
+    r = client.query_prefetch(inst, many, "req-big")
+    assert isinstance(r, QueryReady)
+    assert r.num_hit_blocks == 0

@@ -118,3 +118,10 @@ def test_memory_cleanup_evicts_everything_but_keeps_leased_blocks_loadable(fresh
     status, body = s.post("/cache/memory/cleanup")
     assert status == 200
     assert json.loads(body)["evicted_blocks"] == 0
+
+
+def test_metrics_route_can_be_disabled(fresh_server):
+    s = fresh_server(extra_args=["--enable-prometheus", "false"])
+    assert s.get("/health") == (200, "ok")
+    status, _ = s.get("/metrics")
+    assert status == 404

@@ -49,3 +49,20 @@ def test_shutdown_rpc_stops_the_server(fresh_server):
     assert s.proc.wait(timeout=10) == 0
     r = c.query_prefetch("x", [b"h"], "req-after-shutdown")
     assert isinstance(r, QueryReady) and r.num_hit_blocks == 0
+
+
+def test_shutdown_and_sigterm_exit_while_sessions_are_open(fresh_server):
+    """An open Session stream (the vLLM scheduler always holds one) must not keep the server
+    alive after Shutdown or SIGTERM."""
+    s = fresh_server()
+    holder = EngineRpcClient(s.endpoint)
+    holder.start_session_watcher("held-session", "ns", 1, 1)
+    ok, _ = EngineRpcClient(s.endpoint).shutdown()
+    assert ok is True
+    assert s.proc.wait(timeout=10) == 0
+
+    s2 = fresh_server()
+    holder2 = EngineRpcClient(s2.endpoint)
+    holder2.start_session_watcher("held-session", "ns", 1, 1)
+    assert s2.stop(timeout=10) == 0, "SIGTERM did not stop the server with a session open"
+    del holder, holder2

@@ -16,7 +16,7 @@ import pytest
 
 import pftest
 from pegaflow import PegaFlowError
-from pegaflow.pegaflow import EngineRpcClient
+from pegaflow.pegaflow import EngineRpcClient, PyLoadState
 
 CHILD = Path(__file__).resolve().parent / "session_child.py"
 
@@ -57,6 +57,24 @@ def test_killed_session_owner_cleans_up_its_instance_within_a_second(server, uid
             observer.query_prefetch(uid, [b"h"], "req-dead")
         assert type(ei.value) is PegaFlowError
         assert "not found" in str(ei.value)
+
+        st = PyLoadState()
+        with pytest.raises(PegaFlowError) as ei:
+            observer.load(uid, 0, 0, st.shm_name(), [["model.layers.0.attn"]], [(bytes(16), [[1]])])
+        assert "not found" in str(ei.value)
+        assert st.get_state() < 0
+        with pytest.raises(PegaFlowError) as ei:
+            observer.save(uid, 0, 0, 0, [("model.layers.0.attn", [1], [b"h"])])
+        assert "not found" in str(ei.value)
+
+        # The id is free again: a restarted worker can register under it.
+        kv = pftest.HostKv(num_layers=1, num_blocks=4)
+        try:
+            ok, msg = kv.register(server, uid, ns)
+            assert ok, msg
+            assert observer.unregister_context(uid)[0] is True
+        finally:
+            kv.close()
     finally:
         if child.poll() is None:
             child.kill()

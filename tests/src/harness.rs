@@ -414,7 +414,9 @@ pub type Shared<T> = Arc<tokio::sync::Mutex<T>>;
 /// A minimal HTTP/1.1 request to the server's HTTP endpoints: `(status, body)`.
 pub async fn http(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16, String) {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(addr).await.expect("connect http");
+    let mut s = tokio::net::TcpStream::connect(addr)
+        .await
+        .expect("connect http");
     let req = format!("{method} {path} HTTP/1.1\r\nHost: {addr}\r\nContent-Length: 0\r\nConnection: close\r\n\r\n");
     s.write_all(req.as_bytes()).await.expect("write");
     let mut buf = Vec::new();
@@ -425,6 +427,10 @@ pub async fn http(addr: std::net::SocketAddr, method: &str, path: &str) -> (u16,
         .nth(1)
         .and_then(|c| c.parse().ok())
         .unwrap_or(0);
-    let body = text.split_once("\r\n\r\n").map(|x| x.1).unwrap_or("").to_string();
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|x| x.1)
+        .unwrap_or("")
+        .to_string();
     (status, body)
 }

@@ -78,7 +78,10 @@ async fn health_and_metrics_answer_while_the_registry_is_wedged() {
     let srv = TestServer::start_with(ServerOptions::default(), |p| {
         let mut t = toml::Table::new();
         t.insert("fd_timeout_secs".into(), toml::Value::Integer(60));
-        p.registrars = Some(vec![PluginConfig { kind: "host-memfd".into(), settings: t }]);
+        p.registrars = Some(vec![PluginConfig {
+            kind: "host-memfd".into(),
+            settings: t,
+        }]);
     })
     .await;
     let kv = KvCache::new(SHAPE);

@@ -417,3 +417,38 @@ async fn bad_saves_and_loads_change_nothing() {
         assert!(w.kv.is_filled_with(b, 0xEE), "block {b}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn mixed_python_and_native_registrations_are_refused() {
+    let srv = TestServer::start(ServerOptions::default()).await;
+    let shape = KvShape {
+        layers: 1,
+        num_blocks: 10,
+        segment_bytes: 20,
+    };
+    // A native instance of two workers; a Python registration joins under its id.
+    let _w = Worker::register(&srv, "mix", "ns", shape, 0, 2, 0).await;
+    let mut c = srv.client().await;
+    let mut py = base_register();
+    py.instance_id = "mix".into();
+    py.tp_size = 2;
+    py.world_size = 2;
+    py.tp_rank = 1;
+    py.device_id = 1;
+    let e = c.register(py).await.unwrap_err();
+    assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
+    assert!(e.to_string().contains("cannot mix"), "{e}");
+    // A live native id cannot be registered again (a fresh id per attempt is the rule).
+    let kv = KvCache::new(shape);
+    let e = c
+        .register_host_memfd(&srv.socket, &kv.registration("mix", "ns", 0, 2, 0), &kv.mem)
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
+    // A different topology under the same id is a topology mismatch.
+    let e = c
+        .register_host_memfd(&srv.socket, &kv.registration("mix", "ns", 0, 1, 3), &kv.mem)
+        .await
+        .unwrap_err();
+    assert!(e.to_string().contains("topology mismatch"), "{e}");
+}
