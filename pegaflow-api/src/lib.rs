@@ -10,6 +10,7 @@ pub mod fd;
 pub mod layout;
 pub mod load_state;
 pub mod memfd;
+pub mod native;
 
 pub use error::ApiError;
 pub use layout::{KvLayout, LayoutError, SegmentRange};

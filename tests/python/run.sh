@@ -23,6 +23,7 @@ if [[ ! -x "$BIN" ]]; then
     exit 2
 fi
 export PEGAFLOW_SERVER_BIN="$BIN"
+export PYTHONDONTWRITEBYTECODE=1
 
 cd "$HERE"
 set +e
