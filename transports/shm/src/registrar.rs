@@ -542,8 +542,11 @@ mod tests {
         assert_eq!(nix::unistd::ftruncate(&fd, 4096), Err(Errno::EPERM));
         drop(regions);
         // A memfd without MFD_ALLOW_SEALING is refused by the strict registrar.
-        let mem = HostMemfd::new("unsealable", 8192).unwrap();
-        send(&f, "unsealed", &mem);
+        let unsealable =
+            nix::sys::memfd::memfd_create(c"unsealable", nix::sys::memfd::MFdFlags::MFD_CLOEXEC)
+                .unwrap();
+        nix::unistd::ftruncate(&unsealable, 8192).unwrap();
+        pegaflow_api::fd::send_fd(f.channel.path(), "unsealed", 0, unsealable.as_fd()).unwrap();
         let msg = invalid(
             strict
                 .import(request("unsealed", 8192, vec![view(0, 8192)]))
