@@ -82,6 +82,9 @@ pub struct ServerConfig {
     /// Whether `/metrics` is served.
     #[serde(default = "default_true")]
     pub enable_prometheus: bool,
+    /// CUDA device ordinals to serve; absent = every device the driver reports.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub devices: Option<Vec<i32>>,
 }
 
 fn default_addr() -> String {
@@ -104,6 +107,7 @@ impl Default for ServerConfig {
             http_addr: default_http_addr(),
             log_level: default_log_level(),
             enable_prometheus: true,
+            devices: None,
         }
     }
 }
@@ -381,6 +385,23 @@ impl Cli {
         if let Some(e) = self.enable_prometheus {
             p.server.enable_prometheus = e;
         }
+        if let Some(d) = &self.devices {
+            let list = d
+                .split(',')
+                .map(|x| x.trim())
+                .filter(|x| !x.is_empty())
+                .map(|x| {
+                    x.parse::<i32>()
+                        .ok()
+                        .filter(|v| *v >= 0)
+                        .with_context(|| format!("--devices: {x:?} is not a device ordinal"))
+                })
+                .collect::<anyhow::Result<Vec<i32>>>()?;
+            if list.is_empty() {
+                bail!("--devices needs at least one device ordinal, e.g. --devices 0,1");
+            }
+            p.server.devices = Some(list);
+        }
         if let Some(path) = &self.fd_socket_path {
             if path.as_os_str().is_empty() {
                 p.fd_channel = None;
@@ -494,6 +515,9 @@ mod tests {
             Some(1 << 30)
         );
         assert_eq!(p.fd_channel.unwrap().path, PathBuf::from("/tmp/x.sock"));
+        let p = Cli::parse_from(["pegaflow-server", "--devices", "0, 2"]).pipeline().unwrap();
+        assert_eq!(p.server.devices, Some(vec![0, 2]));
+        assert!(Cli::parse_from(["pegaflow-server", "--devices", "x"]).pipeline().is_err());
         let d = Cli::parse_from(["pegaflow-server"]).pipeline().unwrap();
         assert!(d.fd_channel.is_none(), "the side channel is off by default");
         assert_eq!(d.server.addr, "127.0.0.1:50055");

@@ -81,7 +81,7 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
     let mut ctx = RuntimeContext {
         fd_channel: fd_channel.clone(),
         landing_tier: None,
-        devices: None,
+        devices: pipeline.server.devices.clone(),
     };
     let mut tiers = Vec::new();
     for t in &pipeline.tiers {
