@@ -41,6 +41,8 @@ async fn endpoints_answer_with_pegaflow_fields() {
         "pegaflow_pool_capacity_bytes",
         "pegaflow_instances 2",
         "pegaflow_leases_active 1",
+        "pegaflow_fd_channel_events_total{event=\"delivered\"} 2",
+        "pegaflow_fd_channel_pending 0",
     ] {
         assert!(m.contains(needle), "missing {needle} in\n{m}");
     }

@@ -89,6 +89,8 @@ pub struct Engine {
     /// Saves hold the read side while running; Flush takes the write side.
     flush_barrier: tokio::sync::RwLock<()>,
     fd_channel: Option<Arc<FdChannel>>,
+    /// The side channel's counters as last exported (to turn snapshots into counter deltas).
+    fd_stats_seen: Mutex<crate::fd_channel::FdChannelStats>,
 }
 
 impl std::fmt::Debug for Engine {
@@ -134,6 +136,7 @@ impl Engine {
             barrier: Arc::new(tokio::sync::RwLock::new(())),
             flush_barrier: tokio::sync::RwLock::new(()),
             fd_channel: parts.fd_channel,
+            fd_stats_seen: Mutex::new(Default::default()),
         }))
     }
 
@@ -195,6 +198,25 @@ impl Engine {
             .set(self.index.resident_blocks() as i64);
         m.leases_active.set(self.leases.len() as i64);
         m.instances.set(self.instances.read().len() as i64);
+        if let Some(c) = &self.fd_channel {
+            let now = c.stats();
+            let mut seen = self.fd_stats_seen.lock();
+            let ev = &m.fd_channel_events;
+            for (name, new, old) in [
+                ("accepted", now.accepted, seen.accepted),
+                ("delivered", now.delivered, seen.delivered),
+                ("rejected_malformed", now.rejected_malformed, seen.rejected_malformed),
+                ("rejected_duplicate", now.rejected_duplicate, seen.rejected_duplicate),
+                ("rejected_capacity", now.rejected_capacity, seen.rejected_capacity),
+                ("connections_dropped", now.connections_dropped, seen.connections_dropped),
+                ("expired", now.expired, seen.expired),
+                ("discarded", now.discarded, seen.discarded),
+            ] {
+                ev.with_label_values(&[name]).inc_by(new.saturating_sub(old));
+            }
+            m.fd_channel_pending.set(now.pending as i64);
+            *seen = now;
+        }
     }
 
     /// Allocates host buffers for `lens`, evicting least recently used unreferenced blocks
