@@ -28,6 +28,9 @@ fn main() -> anyhow::Result<()> {
         return Ok(());
     }
     pegaflow_runtime::init_logging(&pipeline.server.log_level)?;
+    for note in cli.notes() {
+        tracing::info!("{note}");
+    }
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .thread_name("pegaflow-rt")

@@ -82,6 +82,10 @@ pub struct ServerConfig {
     /// Whether `/metrics` is served.
     #[serde(default = "default_true")]
     pub enable_prometheus: bool,
+    /// Whether Python (pickled CUDA IPC) registrations are accepted (`--python-registry`);
+    /// false leaves only native registrars.
+    #[serde(default = "default_true")]
+    pub python_registry: bool,
     /// CUDA device ordinals to serve; absent = every device the driver reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<i32>>,
@@ -107,6 +111,7 @@ impl Default for ServerConfig {
             http_addr: default_http_addr(),
             log_level: default_log_level(),
             enable_prometheus: true,
+            python_registry: true,
             devices: None,
         }
     }
@@ -291,66 +296,66 @@ pub struct Cli {
     /// OTLP metrics endpoint (gRPC).
     #[arg(long, value_name = "URL")]
     pub metrics_otel_endpoint: Option<String>,
-    /// OTLP export period in seconds.
-    #[arg(long, value_name = "SECS", default_value_t = 10)]
-    pub metrics_period_secs: u64,
+    /// OTLP export period in seconds. [default: 10]
+    #[arg(long, value_name = "SECS")]
+    pub metrics_period_secs: Option<u64>,
     /// Log level: error, warn, info, debug, trace, or a tracing filter. [default: info]
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
     /// SSD cache file or directory; repeat for several paths. Enables the SSD tier.
     #[arg(long, value_name = "PATH", num_args = 1..)]
     pub ssd_cache_path: Vec<PathBuf>,
-    /// SSD tier capacity.
-    #[arg(long, value_name = "SIZE", value_parser = parse_size_arg, default_value = "512gb")]
-    pub ssd_cache_capacity: u64,
-    /// SSD shard files per path.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub ssd_cache_shards: u32,
-    /// SSD write queue depth, in batches.
-    #[arg(long, value_name = "N", default_value_t = 8)]
-    pub ssd_write_queue_depth: usize,
-    /// SSD prefetch queue depth, in batches.
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    pub ssd_prefetch_queue_depth: usize,
-    /// Concurrent SSD block writes.
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    pub ssd_write_inflight: usize,
-    /// Concurrent SSD block reads.
-    #[arg(long, value_name = "N", default_value_t = 16)]
-    pub ssd_prefetch_inflight: usize,
-    /// Blocks in flight from lower tiers at once.
-    #[arg(long, value_name = "N", default_value_t = 800)]
-    pub max_prefetch_blocks: usize,
-    /// Trace sampling rate, 0..=1.
-    #[arg(long, value_name = "RATE", default_value_t = 1.0)]
-    pub trace_sample_rate: f64,
-    /// Sub-pools of the DRAM tier, used round-robin.
-    #[arg(long, value_name = "N", default_value_t = 1)]
-    pub pool_shards: usize,
+    /// SSD tier capacity. [default: 512gb]
+    #[arg(long, value_name = "SIZE", value_parser = parse_size_arg)]
+    pub ssd_cache_capacity: Option<u64>,
+    /// SSD shard files per path. [default: 1]
+    #[arg(long, value_name = "N")]
+    pub ssd_cache_shards: Option<u32>,
+    /// SSD write queue depth, in batches. [default: 8]
+    #[arg(long, value_name = "N")]
+    pub ssd_write_queue_depth: Option<usize>,
+    /// SSD prefetch queue depth, in batches. [default: 2]
+    #[arg(long, value_name = "N")]
+    pub ssd_prefetch_queue_depth: Option<usize>,
+    /// Concurrent SSD block writes. [default: 2]
+    #[arg(long, value_name = "N")]
+    pub ssd_write_inflight: Option<usize>,
+    /// Concurrent SSD block reads. [default: 16]
+    #[arg(long, value_name = "N")]
+    pub ssd_prefetch_inflight: Option<usize>,
+    /// Blocks in flight from lower tiers at once. [default: 800]
+    #[arg(long, value_name = "N")]
+    pub max_prefetch_blocks: Option<usize>,
+    /// Trace sampling rate, 0..=1. [default: 1.0]
+    #[arg(long, value_name = "RATE")]
+    pub trace_sample_rate: Option<f64>,
+    /// Sub-pools of the DRAM tier, used round-robin. [default: 1]
+    #[arg(long, value_name = "N")]
+    pub pool_shards: Option<usize>,
     /// One host allocation per block instead of one per batch.
     #[arg(long)]
     pub blockwise_alloc: bool,
     /// RDMA NICs (comma or space separated). Enables cross-node fetch with --metaserver-addr.
     #[arg(long, value_name = "NICS", num_args = 1..)]
     pub nics: Vec<String>,
-    /// RC queue pairs per (local NIC, remote NIC).
-    #[arg(long, value_name = "N", default_value_t = 2)]
-    pub qps_per_peer: usize,
+    /// RC queue pairs per (local NIC, remote NIC). [default: 2]
+    #[arg(long, value_name = "N")]
+    pub qps_per_peer: Option<usize>,
     /// MetaServer URL (e.g. http://host:50056) for the cross-node block directory.
     #[arg(long, value_name = "URL")]
     pub metaserver_addr: Option<String>,
-    /// MetaServer client queue depth.
-    #[arg(long, value_name = "N", default_value_t = 4096)]
-    pub metaserver_queue_depth: usize,
-    /// HyperLogLog windows for the miss-cardinality metrics.
-    #[arg(long, value_name = "LIST", default_value = "15m,1h,1d")]
-    pub metric_hll_windows: String,
-    /// HyperLogLog bucket bits (4..=18).
-    #[arg(long, value_name = "BITS", default_value_t = 16)]
-    pub metric_hll_bucket_bits: u8,
-    /// Seconds before an unreleased cross-node transfer lock expires.
-    #[arg(long, value_name = "SECS", default_value_t = 120)]
-    pub transfer_lock_timeout_secs: u64,
+    /// MetaServer client queue depth. [default: 4096]
+    #[arg(long, value_name = "N")]
+    pub metaserver_queue_depth: Option<usize>,
+    /// HyperLogLog windows for the miss-cardinality metrics. [default: 15m,1h,1d]
+    #[arg(long, value_name = "LIST")]
+    pub metric_hll_windows: Option<String>,
+    /// HyperLogLog bucket bits (4..=18). [default: 16]
+    #[arg(long, value_name = "BITS")]
+    pub metric_hll_bucket_bits: Option<u8>,
+    /// Seconds before an unreleased cross-node transfer lock expires. [default: 120]
+    #[arg(long, value_name = "SECS")]
+    pub transfer_lock_timeout_secs: Option<u64>,
     /// Unix socket of the fd side channel for native (memfd / CUDA VMM) registrations.
     /// Empty disables it. [default: disabled]
     #[arg(long, value_name = "PATH")]
@@ -423,24 +428,39 @@ impl Cli {
                 bail!("--hint-value-size must be > 0");
             }
         }
-        if self.pool_shards == 0 {
-            bail!("--pool-shards must be >= 1");
-        }
-        if self.pool_shards > 1 {
+        if let Some(n) = self.pool_shards {
+            if n == 0 {
+                bail!("--pool-shards must be >= 1");
+            }
             for t in p.tiers.iter_mut().filter(|t| t.kind == "dram") {
-                t.settings.insert(
-                    "shards".into(),
-                    toml::Value::Integer(self.pool_shards as i64),
-                );
+                t.settings
+                    .insert("shards".into(), toml::Value::Integer(n as i64));
             }
         }
-        if !(0.0..=1.0).contains(&self.trace_sample_rate) {
-            bail!("--trace-sample-rate must be within 0..=1");
+        if let Some(b) = self.python_registry {
+            p.server.python_registry = b;
         }
-        if !(4..=18).contains(&self.metric_hll_bucket_bits) {
-            bail!("--metric-hll-bucket-bits must be within 4..=18");
-        }
+        tracing_subscriber::EnvFilter::try_new(&p.server.log_level)
+            .map_err(|e| anyhow::anyhow!("invalid log level {:?}: {e}", p.server.log_level))?;
         Ok(p)
+    }
+
+    /// What start-up should log about accepted flags that change nothing in this build (they
+    /// ask for what it already does, or turn off what it does not do).
+    pub fn notes(&self) -> Vec<String> {
+        let mut v = Vec::new();
+        if self.disable_numa_affinity {
+            v.push("--disable-numa-affinity: this build places no memory by NUMA node; nothing to disable".into());
+        }
+        if self.blockwise_alloc {
+            v.push(
+                "--blockwise-alloc: host memory is already allocated (and freed) per block".into(),
+            );
+        }
+        if let Some(h) = self.hint_value_size {
+            v.push(format!("--hint-value-size {h}: the DRAM allocator uses 512-byte granules whatever the value size; the hint does not change it"));
+        }
+        v
     }
 
     /// Flags for parts this build does not have: start-up fails naming the missing part,
@@ -473,9 +493,74 @@ impl Cli {
                 "an OTLP exporter (scrape /metrics instead)",
             )?;
         }
-        if self.python_registry == Some(false) {
-            // Accepted: this server never embeds Python; the flag only matters for PegaFlow.
-        }
+        let given = |v: bool, flag: &str, part: &str| -> anyhow::Result<()> {
+            if v {
+                missing(flag, part)?;
+            }
+            Ok(())
+        };
+        let ssd = "the SSD tier (tiers/ssd)";
+        given(
+            self.ssd_cache_capacity.is_some(),
+            "--ssd-cache-capacity",
+            ssd,
+        )?;
+        given(self.ssd_cache_shards.is_some(), "--ssd-cache-shards", ssd)?;
+        given(
+            self.ssd_write_queue_depth.is_some(),
+            "--ssd-write-queue-depth",
+            ssd,
+        )?;
+        given(
+            self.ssd_prefetch_queue_depth.is_some(),
+            "--ssd-prefetch-queue-depth",
+            ssd,
+        )?;
+        given(
+            self.ssd_write_inflight.is_some(),
+            "--ssd-write-inflight",
+            ssd,
+        )?;
+        given(
+            self.ssd_prefetch_inflight.is_some(),
+            "--ssd-prefetch-inflight",
+            ssd,
+        )?;
+        given(
+            self.max_prefetch_blocks.is_some(),
+            "--max-prefetch-blocks",
+            "a lower tier to prefetch from (SSD or RDMA)",
+        )?;
+        given(
+            self.qps_per_peer.is_some(),
+            "--qps-per-peer",
+            "the RDMA transport (transports/rdma)",
+        )?;
+        given(
+            self.metaserver_queue_depth.is_some(),
+            "--metaserver-queue-depth",
+            "the MetaServer client (cross-node directory)",
+        )?;
+        given(
+            self.transfer_lock_timeout_secs.is_some(),
+            "--transfer-lock-timeout-secs",
+            "cross-node transfer (transports/rdma)",
+        )?;
+        given(
+            self.metrics_period_secs.is_some(),
+            "--metrics-period-secs",
+            "an OTLP exporter (scrape /metrics instead)",
+        )?;
+        given(
+            self.metric_hll_windows.is_some() || self.metric_hll_bucket_bits.is_some(),
+            "--metric-hll-windows/--metric-hll-bucket-bits",
+            "the HyperLogLog miss-cardinality metrics",
+        )?;
+        given(
+            self.trace_sample_rate.is_some(),
+            "--trace-sample-rate",
+            "span tracing (fastrace)",
+        )?;
         Ok(())
     }
 }
@@ -515,9 +600,13 @@ mod tests {
             Some(1 << 30)
         );
         assert_eq!(p.fd_channel.unwrap().path, PathBuf::from("/tmp/x.sock"));
-        let p = Cli::parse_from(["pegaflow-server", "--devices", "0, 2"]).pipeline().unwrap();
+        let p = Cli::parse_from(["pegaflow-server", "--devices", "0, 2"])
+            .pipeline()
+            .unwrap();
         assert_eq!(p.server.devices, Some(vec![0, 2]));
-        assert!(Cli::parse_from(["pegaflow-server", "--devices", "x"]).pipeline().is_err());
+        assert!(Cli::parse_from(["pegaflow-server", "--devices", "x"])
+            .pipeline()
+            .is_err());
         let d = Cli::parse_from(["pegaflow-server"]).pipeline().unwrap();
         assert!(d.fd_channel.is_none(), "the side channel is off by default");
         assert_eq!(d.server.addr, "127.0.0.1:50055");
@@ -555,6 +644,26 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(e.contains("SSD tier"), "{e}");
+        let e = Cli::parse_from(["pegaflow-server", "--max-prefetch-blocks", "800"])
+            .pipeline()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("lower tier"), "{e}");
+        let e = Cli::parse_from(["pegaflow-server", "--log-level", "=="])
+            .pipeline()
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("invalid log level"), "{e}");
+        let p = Cli::parse_from([
+            "pegaflow-server",
+            "--python-registry",
+            "false",
+            "--pool-shards",
+            "2",
+        ])
+        .pipeline()
+        .unwrap();
+        assert!(!p.server.python_registry);
         let e = Cli::parse_from(["pegaflow-server", "--nics", "mlx5_0"])
             .pipeline()
             .unwrap_err()

@@ -51,14 +51,14 @@ async fn cleanup_instances(
     let r = tokio::spawn(async move {
         match q.id {
             None => Ok(engine.unregister_all().await),
-            Some(id) => engine.unregister(&id).await.map(|()| vec![id]),
+            Some(id) => engine.unregister_counting(&id).await.map(|n| (vec![id], n)),
         }
     })
     .await;
     match r {
-        Ok(Ok(ids)) => (
+        Ok(Ok((ids, tensors))) => (
             StatusCode::OK,
-            Json(serde_json::json!({ "removed_instances": ids, "removed_tensors": ids.len() })),
+            Json(serde_json::json!({ "removed_instances": ids, "removed_tensors": tensors })),
         )
             .into_response(),
         Ok(Err(e)) => (StatusCode::NOT_FOUND, e.to_string()).into_response(),

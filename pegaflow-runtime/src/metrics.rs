@@ -54,7 +54,7 @@ pub struct Metrics {
     pub load_bytes: IntCounter,
     /// Load copy duration.
     pub load_duration: Histogram,
-    /// Loads that failed after being accepted.
+    /// Loads that failed: refused by validation, or a copy that failed.
     pub load_failures: IntCounter,
     /// RPCs by method and status (`ok` or the gRPC code).
     pub rpc_requests: IntCounterVec,
@@ -186,7 +186,7 @@ impl Metrics {
             )),
             load_failures: reg!(c(
                 "pegaflow_load_failures_total",
-                "Loads failing after acceptance"
+                "Loads that failed: refused by validation or a failed copy"
             )),
             rpc_requests: reg!(IntCounterVec::new(
                 Opts::new("pegaflow_rpc_requests_total", "RPCs by method and status"),

@@ -123,6 +123,14 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             })
             .collect::<anyhow::Result<Vec<_>>>()?,
     };
+    let registrars: Vec<_> = if pipeline.server.python_registry {
+        registrars
+    } else {
+        registrars
+            .into_iter()
+            .filter(|r| r.payload() != crate::plugin::PayloadKind::CudaIpcWrapper)
+            .collect()
+    };
     tracing::info!(
         tiers = ?tiers.iter().map(|t| t.kind()).collect::<Vec<_>>(),
         transports = ?transports.iter().map(|t| t.kind()).collect::<Vec<_>>(),
@@ -233,8 +241,10 @@ pub async fn run(pipeline: PipelineConfig) -> anyhow::Result<()> {
 pub fn init_logging(level: &str) -> anyhow::Result<()> {
     let filter = tracing_subscriber::EnvFilter::try_new(level)
         .with_context(|| format!("invalid --log-level {level:?}"))?;
+    use std::io::IsTerminal;
     tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::stdout().is_terminal())
         .with_target(false)
         .try_init()
         .map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))

@@ -63,6 +63,7 @@ async fn endpoints_answer_with_pegaflow_fields() {
     assert_eq!(s, 200, "{body}");
     let v: serde_json::Value = serde_json::from_str(&body).unwrap();
     assert_eq!(v["removed_instances"], serde_json::json!(["h1"]));
+    assert_eq!(v["removed_tensors"], 2, "two layers registered");
     let (s, body) = http(a, "POST", "/instances/cleanup?id=h1").await;
     assert_eq!(s, 404);
     assert!(body.contains("not found"), "{body}");

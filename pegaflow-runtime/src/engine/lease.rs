@@ -34,6 +34,7 @@ struct Inner {
 /// All live leases of the server.
 pub struct LeaseTable {
     inner: Mutex<Inner>,
+    expired: std::sync::atomic::AtomicU64,
     ttl: Duration,
     max_per_instance: usize,
 }
@@ -66,6 +67,7 @@ impl LeaseTable {
     pub fn new(ttl: Duration, max_per_instance: usize) -> Self {
         Self {
             inner: Mutex::new(Inner::default()),
+            expired: std::sync::atomic::AtomicU64::new(0),
             ttl,
             max_per_instance,
         }
@@ -80,6 +82,16 @@ impl LeaseTable {
             }
         }
         Some(l)
+    }
+
+    /// Leases removed because they expired, since start (every path that notices counts).
+    pub fn expired_total(&self) -> u64 {
+        self.expired.load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    fn note_expired(&self, n: usize) {
+        self.expired
+            .fetch_add(n as u64, std::sync::atomic::Ordering::Relaxed);
     }
 
     fn sweep_locked(inner: &mut Inner, now: Instant) -> usize {
@@ -106,7 +118,8 @@ impl LeaseTable {
         let mut g = self.inner.lock();
         let count = g.per_instance.get(instance_id).copied().unwrap_or(0);
         if count >= self.max_per_instance {
-            Self::sweep_locked(&mut g, Instant::now());
+            let n = Self::sweep_locked(&mut g, Instant::now());
+            self.note_expired(n);
             if g.per_instance.get(instance_id).copied().unwrap_or(0) >= self.max_per_instance {
                 return Err(EngineError::ResourceExhausted(format!(
                     "instance {instance_id} holds {} live leases (the limit); load or release some",
@@ -160,6 +173,7 @@ impl LeaseTable {
             Some(l) if l.expires_at > now => l,
             Some(_) => {
                 Self::remove_locked(&mut g, id);
+                self.note_expired(1);
                 return Err(EngineError::precondition(UNKNOWN));
             }
             None => return Err(EngineError::precondition(UNKNOWN)),
@@ -184,7 +198,11 @@ impl LeaseTable {
         let mut g = self.inner.lock();
         match Self::remove_locked(&mut g, id) {
             Some(l) if l.expires_at > Instant::now() => Ok(()),
-            _ => Err(EngineError::precondition(UNKNOWN)),
+            Some(_) => {
+                self.note_expired(1);
+                Err(EngineError::precondition(UNKNOWN))
+            }
+            None => Err(EngineError::precondition(UNKNOWN)),
         }
     }
 
@@ -205,7 +223,9 @@ impl LeaseTable {
 
     /// Removes expired leases; returns how many.
     pub fn sweep(&self) -> usize {
-        Self::sweep_locked(&mut self.inner.lock(), Instant::now())
+        let n = Self::sweep_locked(&mut self.inner.lock(), Instant::now());
+        self.note_expired(n);
+        n
     }
 
     /// Live leases (expired ones not yet swept included).
@@ -253,6 +273,7 @@ mod tests {
         assert!(t.peek(&id2, "a").is_err());
         assert_eq!(t.sweep(), 1);
         assert!(t.is_empty());
+        assert_eq!(t.expired_total(), 1);
     }
 
     #[test]

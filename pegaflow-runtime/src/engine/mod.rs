@@ -197,6 +197,9 @@ impl Engine {
             .with_label_values(&["retained"])
             .set(self.index.resident_blocks() as i64);
         m.leases_active.set(self.leases.len() as i64);
+        let expired = self.leases.expired_total();
+        m.leases_expired
+            .inc_by(expired.saturating_sub(m.leases_expired.get()));
         m.instances.set(self.instances.read().len() as i64);
         if let Some(c) = &self.fd_channel {
             let now = c.stats();
@@ -205,14 +208,31 @@ impl Engine {
             for (name, new, old) in [
                 ("accepted", now.accepted, seen.accepted),
                 ("delivered", now.delivered, seen.delivered),
-                ("rejected_malformed", now.rejected_malformed, seen.rejected_malformed),
-                ("rejected_duplicate", now.rejected_duplicate, seen.rejected_duplicate),
-                ("rejected_capacity", now.rejected_capacity, seen.rejected_capacity),
-                ("connections_dropped", now.connections_dropped, seen.connections_dropped),
+                (
+                    "rejected_malformed",
+                    now.rejected_malformed,
+                    seen.rejected_malformed,
+                ),
+                (
+                    "rejected_duplicate",
+                    now.rejected_duplicate,
+                    seen.rejected_duplicate,
+                ),
+                (
+                    "rejected_capacity",
+                    now.rejected_capacity,
+                    seen.rejected_capacity,
+                ),
+                (
+                    "connections_dropped",
+                    now.connections_dropped,
+                    seen.connections_dropped,
+                ),
                 ("expired", now.expired, seen.expired),
                 ("discarded", now.discarded, seen.discarded),
             ] {
-                ev.with_label_values(&[name]).inc_by(new.saturating_sub(old));
+                ev.with_label_values(&[name])
+                    .inc_by(new.saturating_sub(old));
             }
             m.fd_channel_pending.set(now.pending as i64);
             *seen = now;
@@ -295,40 +315,48 @@ impl Engine {
     /// Unregisters an instance: fence, drain its copies, drop its leases, then release its
     /// registrations on the reaper thread. Cached blocks of its namespace stay.
     pub async fn unregister(&self, id: &str) -> EngineResult<()> {
+        self.unregister_counting(id).await.map(drop)
+    }
+
+    /// [`Engine::unregister`], returning how many layer registrations (tensors) it released.
+    pub async fn unregister_counting(&self, id: &str) -> EngineResult<usize> {
         let _barrier = self.barrier.write().await;
         let inst = self
             .instances
             .write()
             .remove(id)
             .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))?;
-        self.teardown(inst).await;
-        Ok(())
+        Ok(self.teardown(inst).await)
     }
 
-    async fn teardown(&self, inst: Arc<Instance>) {
+    async fn teardown(&self, inst: Arc<Instance>) -> usize {
         inst.state.lock().closing = true;
         // Drain: waits for every Save/Load holding the gate.
         let drained = inst.gate.write().await;
         let workers = std::mem::take(&mut inst.state.lock().workers);
         let dropped = self.leases.drop_instance(&inst.id);
         let n = workers.len();
+        let tensors: usize = workers.values().map(|w| w.layers.len()).sum();
         self.reaper.release(workers).await;
         drop(drained);
-        tracing::info!(instance = %inst.id, workers = n, leases = dropped, "instance unregistered");
+        tracing::info!(instance = %inst.id, workers = n, tensors, leases = dropped, "instance unregistered");
         self.update_gauges();
+        tensors
     }
 
-    /// Unregisters every instance (HTTP cleanup, shutdown). Returns their ids.
-    pub async fn unregister_all(&self) -> Vec<String> {
+    /// Unregisters every instance (HTTP cleanup, shutdown). Returns their ids and how many
+    /// layer registrations (tensors) were released.
+    pub async fn unregister_all(&self) -> (Vec<String>, usize) {
         let _barrier = self.barrier.write().await;
         let all: Vec<Arc<Instance>> = self.instances.write().drain().map(|(_, v)| v).collect();
         let mut ids = Vec::new();
+        let mut tensors = 0;
         for inst in all {
             ids.push(inst.id.to_string());
-            self.teardown(inst).await;
+            tensors += self.teardown(inst).await;
         }
         ids.sort();
-        ids
+        (ids, tensors)
     }
 
     /// Removes every block from the index (`POST /cache/memory/cleanup`). Leased blocks stay
@@ -364,8 +392,7 @@ impl Engine {
 
     /// Periodic housekeeping: expired leases, stale unsealed blocks, gauges.
     pub fn gc(&self) {
-        let expired = self.leases.sweep();
-        self.metrics.leases_expired.inc_by(expired as u64);
+        self.leases.sweep();
         let ttl = Duration::from_secs(self.config.inflight_ttl_secs);
         let mut stale = Vec::new();
         {
