@@ -1,0 +1,1116 @@
+//! The `cuda` transport: moves bytes between CUDA device memory (IPC mappings) and the landing
+//! tier's host buffers.
+//!
+//! Owns: pinning the landing tier in the background ([`crate::pin`]); one worker thread per
+//! (device, direction), each with its own primary-context binding, two streams, two staging
+//! buffers, descriptor buffers and the copy kernel; choosing a path per batch ([`CopyPath`]):
+//! `Direct` (one `cuMemcpy*Async` per merged range), `Staged` (a gather/scatter kernel into a
+//! contiguous device staging buffer, then one large copy per host run, double-buffered on two
+//! streams) or `Mapped` (the kernel copies straight between device memory and mapped pinned
+//! host memory); and completing each batch only after its streams synchronised.
+//!
+//! Must never: run a CUDA call on the async executor, report a batch as done before every byte
+//! moved (an error in the middle still waits for what was enqueued, then reports the error),
+//! address host memory through a device pointer it did not get from
+//! `cuMemHostGetDevicePointer`, or use the mapped path for a range that is not pinned yet (the
+//! staged path is pageable-safe and takes those).
+
+use std::collections::HashMap;
+use std::ffi::c_void;
+use std::panic::AssertUnwindSafe;
+use std::sync::Arc;
+use std::time::Duration;
+
+use async_trait::async_trait;
+use cudarc::driver::sys;
+use parking_lot::Mutex;
+use pegaflow_api::TransferMode;
+use pegaflow_runtime::config::size_setting;
+use pegaflow_runtime::{
+    CopyBatch, CopyOp, Direction, MemoryLocation, PluginOption, RuntimeContext, Transport,
+    TransportError, TransportFactory,
+};
+use tokio::sync::{mpsc, oneshot};
+
+use crate::driver::{check, driver, CudaError, Driver};
+use crate::pin::{PinSet, PinState, MAX_PIN_CHUNK};
+use crate::plan::{merge_ops, merged_stats, push_descs, split_at_boundaries, Desc, StagedPlan};
+
+/// The copy kernel's PTX (generated from `kernels.cu`, see `examples/gen_ptx.rs`).
+pub const KERNEL_PTX: &str = include_str!("kernels.ptx");
+const KERNEL_NAME: &std::ffi::CStr = c"pf_copy";
+const BLOCK_THREADS: u32 = 256;
+
+/// Which transfer mode a batch runs in, relative to the batch's [`TransferMode`] hint.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Policy {
+    /// Per batch: the direct path for few or large ranges, the kernel path otherwise.
+    Auto,
+    /// The batch's mode: `Direct` → direct path, `Kernel` → kernel path.
+    Hint,
+    /// Always the direct path.
+    Direct,
+    /// Always the kernel path.
+    Kernel,
+}
+
+/// How the kernel path reaches host memory.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum KernelPath {
+    /// Through a device staging buffer and large pinned copies.
+    Staged,
+    /// Directly, through mapped pinned host memory (falls back to `Staged` for ranges not
+    /// pinned by this transport).
+    Mapped,
+}
+
+/// What actually ran for a batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum CopyPath {
+    /// Nothing to do.
+    Empty,
+    /// One copy per merged range.
+    Direct,
+    /// Gather/scatter kernel + staging buffer.
+    Staged,
+    /// Kernel over mapped pinned host memory.
+    Mapped,
+}
+
+/// A finished batch.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct CopyReport {
+    /// The path taken.
+    pub path: CopyPath,
+    /// Bytes moved.
+    pub bytes: u64,
+    /// Copies and kernel launches enqueued.
+    pub submissions: usize,
+}
+
+/// Settings of a `[[transport]] kind = "cuda"` table.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CudaTransportConfig {
+    /// `policy`: `"auto"` (default), `"hint"`, `"direct"` or `"kernel"`.
+    pub policy: Policy,
+    /// `kernel_path`: `"staged"` (default) or `"mapped"`.
+    pub kernel_path: KernelPath,
+    /// `staging_chunk`: bytes per staging buffer (two per worker), default 16 MiB.
+    pub staging_chunk: u64,
+    /// `direct_min_bytes`: under `auto`, batches whose merged ranges average at least this
+    /// many bytes take the direct path; default 8 MiB.
+    pub direct_min_bytes: u64,
+    /// `pin`: register the landing tier's memory with CUDA, default true.
+    pub pin: bool,
+    /// `pin_threads`: threads registering it in parallel, default min(8, CPUs).
+    pub pin_threads: usize,
+    /// `pin_chunk`: most bytes per registration, default and maximum 64 GiB.
+    pub pin_chunk: usize,
+    /// `queue_depth`: batches waiting per worker before `copy` waits, default 64.
+    pub queue_depth: usize,
+    /// `blocks_per_sm`: kernel thread blocks per multiprocessor, default 8.
+    pub blocks_per_sm: u32,
+}
+
+impl Default for CudaTransportConfig {
+    fn default() -> Self {
+        Self {
+            policy: Policy::Auto,
+            kernel_path: KernelPath::Staged,
+            staging_chunk: 16 << 20,
+            direct_min_bytes: 8 << 20,
+            pin: true,
+            pin_threads: std::thread::available_parallelism()
+                .map(|n| n.get())
+                .unwrap_or(1)
+                .min(8),
+            pin_chunk: MAX_PIN_CHUNK,
+            queue_depth: 64,
+            blocks_per_sm: 8,
+        }
+    }
+}
+
+/// The setting keys a `cuda` transport table may hold.
+pub const TRANSPORT_KEYS: &[&str] = &[
+    "policy",
+    "kernel_path",
+    "staging_chunk",
+    "direct_min_bytes",
+    "pin",
+    "pin_threads",
+    "pin_chunk",
+    "queue_depth",
+    "blocks_per_sm",
+];
+
+const OPTIONS: &[PluginOption] = &[
+    PluginOption {
+        name: "policy",
+        default: "\"auto\"",
+        help: "auto | hint (follow the instance's transfer_mode) | direct | kernel",
+    },
+    PluginOption {
+        name: "kernel_path",
+        default: "\"staged\"",
+        help: "staged (device staging buffer + large pinned copies) | mapped (zero-copy)",
+    },
+    PluginOption {
+        name: "staging_chunk",
+        default: "\"16mb\"",
+        help: "bytes per staging buffer; each worker has two (per device and direction)",
+    },
+    PluginOption {
+        name: "direct_min_bytes",
+        default: "\"8mb\"",
+        help: "auto: average merged range size from which the direct path is used",
+    },
+    PluginOption {
+        name: "pin",
+        default: "true",
+        help: "pin (cuMemHostRegister) the landing tier in the background",
+    },
+    PluginOption {
+        name: "pin_threads",
+        default: "min(8, cpus)",
+        help: "threads pinning in parallel",
+    },
+    PluginOption {
+        name: "pin_chunk",
+        default: "\"64gb\"",
+        help: "most bytes per cuMemHostRegister call (at most 64 GiB)",
+    },
+    PluginOption {
+        name: "queue_depth",
+        default: "64",
+        help: "batches queued per worker",
+    },
+    PluginOption {
+        name: "blocks_per_sm",
+        default: "8",
+        help: "copy kernel thread blocks per multiprocessor",
+    },
+];
+
+fn int_setting(table: &toml::Table, key: &str, min: i64, max: i64) -> anyhow::Result<Option<i64>> {
+    match table.get(key) {
+        None => Ok(None),
+        Some(toml::Value::Integer(i)) if (min..=max).contains(i) => Ok(Some(*i)),
+        Some(v) => anyhow::bail!("{key} must be an integer in {min}..={max}, got {v}"),
+    }
+}
+
+impl CudaTransportConfig {
+    /// Reads a `cuda` transport table.
+    ///
+    /// Errors: unknown keys, wrong types, out-of-range values.
+    pub fn from_table(table: &toml::Table) -> anyhow::Result<Self> {
+        if let Some(k) = table.keys().find(|k| !TRANSPORT_KEYS.contains(&k.as_str())) {
+            anyhow::bail!(
+                "unknown cuda transport setting {k:?}; known: {}",
+                TRANSPORT_KEYS.join(", ")
+            );
+        }
+        let mut c = Self::default();
+        match table.get("policy") {
+            None => {}
+            Some(toml::Value::String(s)) => {
+                c.policy = match s.as_str() {
+                    "auto" => Policy::Auto,
+                    "hint" => Policy::Hint,
+                    "direct" => Policy::Direct,
+                    "kernel" => Policy::Kernel,
+                    _ => anyhow::bail!("policy must be auto, hint, direct or kernel, got {s:?}"),
+                }
+            }
+            Some(v) => anyhow::bail!("policy must be a string, got {v}"),
+        }
+        match table.get("kernel_path") {
+            None => {}
+            Some(toml::Value::String(s)) => {
+                c.kernel_path = match s.as_str() {
+                    "staged" => KernelPath::Staged,
+                    "mapped" => KernelPath::Mapped,
+                    _ => anyhow::bail!("kernel_path must be staged or mapped, got {s:?}"),
+                }
+            }
+            Some(v) => anyhow::bail!("kernel_path must be a string, got {v}"),
+        }
+        if let Some(v) = size_setting(table, "staging_chunk")? {
+            anyhow::ensure!(
+                (1 << 20..=1 << 30).contains(&v),
+                "staging_chunk must be between 1 MiB and 1 GiB"
+            );
+            c.staging_chunk = v;
+        }
+        if let Some(v) = size_setting(table, "direct_min_bytes")? {
+            c.direct_min_bytes = v;
+        }
+        match table.get("pin") {
+            None => {}
+            Some(toml::Value::Boolean(b)) => c.pin = *b,
+            Some(v) => anyhow::bail!("pin must be true or false, got {v}"),
+        }
+        if let Some(v) = int_setting(table, "pin_threads", 1, 256)? {
+            c.pin_threads = v as usize;
+        }
+        if let Some(v) = size_setting(table, "pin_chunk")? {
+            anyhow::ensure!(
+                (2 << 20..=MAX_PIN_CHUNK as u64).contains(&v),
+                "pin_chunk must be between 2 MiB and 64 GiB"
+            );
+            c.pin_chunk = v as usize;
+        }
+        if let Some(v) = int_setting(table, "queue_depth", 1, 65536)? {
+            c.queue_depth = v as usize;
+        }
+        if let Some(v) = int_setting(table, "blocks_per_sm", 1, 64)? {
+            c.blocks_per_sm = v as u32;
+        }
+        Ok(c)
+    }
+}
+
+struct Job {
+    batch: CopyBatch,
+    reply: oneshot::Sender<Result<CopyReport, TransportError>>,
+}
+
+struct Shared {
+    driver: &'static Driver,
+    cfg: CudaTransportConfig,
+    pins: Option<Arc<PinSet>>,
+    allowed: Option<Vec<i32>>,
+    workers: Mutex<HashMap<(i32, bool), mpsc::Sender<Job>>>,
+}
+
+/// The `cuda` transport. Cheap to share; dropping it stops its workers (after the batches they
+/// hold) and unpins the landing tier.
+pub struct CudaTransport {
+    shared: Result<Arc<Shared>, CudaError>,
+}
+
+impl std::fmt::Debug for CudaTransport {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match &self.shared {
+            Ok(s) => f
+                .debug_struct("CudaTransport")
+                .field("cfg", &s.cfg)
+                .field("pins", &s.pins)
+                .finish(),
+            Err(e) => f.debug_tuple("CudaTransport").field(&e.0).finish(),
+        }
+    }
+}
+
+impl CudaTransport {
+    /// Builds the transport. Without a driver it still builds (and logs a warning): every copy
+    /// then fails with "CUDA driver not available: ...". With one, pinning of
+    /// `ctx.landing_tier`'s backing ranges starts in the background (when `cfg.pin`).
+    pub fn new(cfg: CudaTransportConfig, ctx: &RuntimeContext) -> Self {
+        let shared = driver().map(|drv| {
+            let allowed = ctx.devices.clone();
+            let pin_dev = match &allowed {
+                Some(v) => v.first().copied(),
+                None => drv.devices().first().map(|d| d.ordinal),
+            };
+            let pins = match (&ctx.landing_tier, pin_dev, cfg.pin) {
+                (Some(tier), Some(dev), true) => {
+                    let ranges = tier.backing_ranges();
+                    (!ranges.is_empty()).then(|| {
+                        PinSet::start(
+                            drv,
+                            dev,
+                            &ranges,
+                            cfg.pin_chunk,
+                            cfg.pin_threads,
+                            Some(tier.clone()),
+                        )
+                    })
+                }
+                _ => None,
+            };
+            Arc::new(Shared {
+                driver: drv,
+                cfg,
+                pins,
+                allowed,
+                workers: Mutex::new(HashMap::new()),
+            })
+        });
+        if let Err(e) = &shared {
+            tracing::warn!("cuda transport: copies will fail: {e}");
+        }
+        Self { shared }
+    }
+
+    fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Transport>> {
+        let cfg = CudaTransportConfig::from_table(table)?;
+        Ok(Arc::new(Self::new(cfg, ctx)))
+    }
+
+    /// The pinned set of the landing tier, if pinning started.
+    pub fn pins(&self) -> Option<&Arc<PinSet>> {
+        self.shared.as_ref().ok().and_then(|s| s.pins.as_ref())
+    }
+
+    /// Waits (blocking) until the landing tier's pinning finished, at most `timeout`; true when
+    /// it did (or there is nothing to pin). For tests, benches and start-up probes.
+    pub fn wait_pinned(&self, timeout: Duration) -> bool {
+        self.pins().is_none_or(|p| p.wait(timeout))
+    }
+
+    fn worker(&self, ordinal: i32, dir: Direction) -> Result<mpsc::Sender<Job>, TransportError> {
+        let s = self
+            .shared
+            .as_ref()
+            .map_err(|e| TransportError(e.to_string()))?;
+        if let Some(allowed) = &s.allowed {
+            if !allowed.contains(&ordinal) {
+                return Err(TransportError(format!(
+                    "GPU {ordinal} is not one of the devices this server serves ({allowed:?})"
+                )));
+            }
+        }
+        if s.driver.device(ordinal).is_none() {
+            return Err(TransportError(format!(
+                "no CUDA device with ordinal {ordinal}"
+            )));
+        }
+        let to_host = dir == Direction::ToHost;
+        let mut workers = s.workers.lock();
+        if let Some(tx) = workers.get(&(ordinal, to_host)) {
+            return Ok(tx.clone());
+        }
+        let (tx, rx) = mpsc::channel(s.cfg.queue_depth);
+        let cfg = s.cfg.clone();
+        let pins = s.pins.clone();
+        let drv = s.driver;
+        std::thread::Builder::new()
+            .name(format!(
+                "cuda-copy-{ordinal}-{}",
+                if to_host { "d2h" } else { "h2d" }
+            ))
+            .spawn(move || worker_main(drv, ordinal, dir, cfg, pins, rx))
+            .map_err(|e| TransportError(format!("cannot spawn a cuda copy worker: {e}")))?;
+        workers.insert((ordinal, to_host), tx.clone());
+        Ok(tx)
+    }
+
+    /// Runs `batch` and reports which path moved it. Completes only after the batch's streams
+    /// synchronised.
+    ///
+    /// Errors: [`TransportError`] when the driver is missing, the device is not served, or any
+    /// CUDA call fails (the batch then counts as failed as a whole).
+    pub async fn copy_with_report(&self, batch: CopyBatch) -> Result<CopyReport, TransportError> {
+        let MemoryLocation::CudaDevice { ordinal } = batch.location else {
+            return Err(TransportError(format!(
+                "the cuda transport cannot address {:?} memory",
+                batch.location
+            )));
+        };
+        if batch.ops.iter().all(|o| o.len == 0) {
+            return Ok(CopyReport {
+                path: CopyPath::Empty,
+                bytes: 0,
+                submissions: 0,
+            });
+        }
+        let tx = self.worker(ordinal, batch.direction)?;
+        let (reply, rx) = oneshot::channel();
+        tx.send(Job { batch, reply }).await.map_err(|_| {
+            TransportError(format!("the cuda copy worker of GPU {ordinal} is gone"))
+        })?;
+        rx.await.map_err(|_| {
+            TransportError(format!(
+                "the cuda copy worker of GPU {ordinal} stopped mid-batch"
+            ))
+        })?
+    }
+}
+
+#[async_trait]
+impl Transport for CudaTransport {
+    fn kind(&self) -> &'static str {
+        "cuda"
+    }
+
+    fn can_address(&self, location: MemoryLocation) -> bool {
+        matches!(location, MemoryLocation::CudaDevice { .. })
+    }
+
+    async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
+        self.copy_with_report(batch).await.map(|_| ())
+    }
+}
+
+impl Drop for CudaTransport {
+    fn drop(&mut self) {
+        if let Ok(s) = &self.shared {
+            if let Some(p) = &s.pins {
+                p.cancel();
+            }
+        }
+    }
+}
+
+inventory::submit! {
+    TransportFactory {
+        kind: "cuda",
+        summary: "GPU <-> host copies (CUDA driver loaded at run time): batched gather/scatter kernel or direct copies",
+        options: OPTIONS,
+        build: CudaTransport::build,
+    }
+}
+
+fn worker_main(
+    drv: &'static Driver,
+    ordinal: i32,
+    dir: Direction,
+    cfg: CudaTransportConfig,
+    pins: Option<Arc<PinSet>>,
+    mut rx: mpsc::Receiver<Job>,
+) {
+    let mut w = match Worker::new(drv, ordinal, dir, cfg, pins) {
+        Ok(w) => w,
+        Err(e) => {
+            tracing::error!(ordinal, "cuda copy worker failed to start: {e}");
+            while let Some(job) = rx.blocking_recv() {
+                let _ = job.reply.send(Err(TransportError(format!(
+                    "cuda copy worker of GPU {ordinal}: {e}"
+                ))));
+            }
+            return;
+        }
+    };
+    while let Some(job) = rx.blocking_recv() {
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(&job.batch)))
+            .unwrap_or_else(|_| {
+                // Whatever was enqueued must finish before the buffers can be reused.
+                let _ = w.sync();
+                Err(CudaError("the cuda copy worker panicked".into()))
+            })
+            .map_err(|e| TransportError(format!("GPU {ordinal}: {e}")));
+        let _ = job.reply.send(r);
+    }
+}
+
+/// A device allocation owned by a worker.
+struct DevBuf {
+    ptr: u64,
+    len: usize,
+}
+
+struct Worker {
+    ordinal: i32,
+    dir: Direction,
+    cfg: CudaTransportConfig,
+    pins: Option<Arc<PinSet>>,
+    streams: [sys::CUstream; 2],
+    done: [sys::CUevent; 2],
+    uploaded: sys::CUevent,
+    kernel: Option<sys::CUfunction>,
+    grid_cap: u32,
+    staging: Option<[DevBuf; 2]>,
+    staging_failed: bool,
+    desc_dev: Option<DevBuf>,
+    desc_host: (*mut c_void, usize),
+    mapped: Vec<Option<u64>>,
+    plan: StagedPlan,
+    descs: Vec<Desc>,
+    desc_ranges: Vec<(usize, usize)>,
+}
+
+impl Worker {
+    fn new(
+        drv: &'static Driver,
+        ordinal: i32,
+        dir: Direction,
+        cfg: CudaTransportConfig,
+        pins: Option<Arc<PinSet>>,
+    ) -> Result<Self, CudaError> {
+        drv.bind(ordinal)?;
+        let sm = drv.device(ordinal).map(|d| d.sm_count).unwrap_or(1);
+        let mut streams: [sys::CUstream; 2] = [std::ptr::null_mut(); 2];
+        for s in &mut streams {
+            check(
+                // SAFETY: out-pointer to a live array slot; the context is current.
+                unsafe {
+                    sys::cuStreamCreate(s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+                },
+                "cuStreamCreate",
+            )?;
+        }
+        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
+            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+        let mut done: [sys::CUevent; 2] = [std::ptr::null_mut(); 2];
+        for e in &mut done {
+            // SAFETY: out-pointer to a live array slot; the context is current.
+            check(unsafe { sys::cuEventCreate(e, flags) }, "cuEventCreate")?;
+        }
+        let mut uploaded: sys::CUevent = std::ptr::null_mut();
+        check(
+            // SAFETY: as above.
+            unsafe {
+                sys::cuEventCreate(
+                    &mut uploaded,
+                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
+                )
+            },
+            "cuEventCreate",
+        )?;
+        let kernel = match load_kernel() {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(ordinal, "copy kernel unavailable, using direct copies: {e}");
+                None
+            }
+        };
+        let mapped = pins
+            .as_ref()
+            .map(|p| vec![None; p.chunks().len()])
+            .unwrap_or_default();
+        Ok(Self {
+            ordinal,
+            dir,
+            grid_cap: sm.saturating_mul(cfg.blocks_per_sm).max(1),
+            cfg,
+            pins,
+            streams,
+            done,
+            uploaded,
+            kernel,
+            staging: None,
+            staging_failed: false,
+            desc_dev: None,
+            desc_host: (std::ptr::null_mut(), 0),
+            mapped,
+            plan: StagedPlan::default(),
+            descs: Vec::new(),
+            desc_ranges: Vec::new(),
+        })
+    }
+
+    /// Waits for everything enqueued on both streams.
+    fn sync(&mut self) -> Result<(), CudaError> {
+        let mut first = Ok(());
+        for k in 0..2 {
+            // SAFETY: the event and stream belong to this worker's context, which is current.
+            let r = check(
+                unsafe { sys::cuEventRecord(self.done[k], self.streams[k]) },
+                "cuEventRecord",
+            )
+            .and_then(|()| {
+                // SAFETY: as above.
+                check(
+                    unsafe { sys::cuEventSynchronize(self.done[k]) },
+                    "cuEventSynchronize",
+                )
+            })
+            .or_else(|_| {
+                // SAFETY: as above; the fallback when recording failed.
+                check(
+                    unsafe { sys::cuStreamSynchronize(self.streams[k]) },
+                    "cuStreamSynchronize",
+                )
+            });
+            if first.is_ok() {
+                first = r;
+            }
+        }
+        first
+    }
+
+    fn run(&mut self, batch: &CopyBatch) -> Result<CopyReport, CudaError> {
+        let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
+        let path = self.choose(batch);
+        let r = match path {
+            CopyPath::Direct | CopyPath::Empty => self.direct(&batch.ops),
+            CopyPath::Staged => self.staged(&batch.ops),
+            CopyPath::Mapped => self.mapped_copy(&batch.ops),
+        };
+        // Always wait for what was enqueued, success or not: the host buffers and the mapping
+        // may be released as soon as we answer.
+        let s = self.sync();
+        let submissions = r?;
+        s?;
+        Ok(CopyReport {
+            path,
+            bytes,
+            submissions,
+        })
+    }
+
+    fn choose(&mut self, batch: &CopyBatch) -> CopyPath {
+        let want_kernel = match self.cfg.policy {
+            Policy::Direct => false,
+            Policy::Kernel => true,
+            Policy::Hint => batch.mode == TransferMode::Kernel,
+            Policy::Auto => {
+                let (n, total) = merged_stats(&batch.ops);
+                n > 2 && total / (n as u64) < self.cfg.direct_min_bytes
+            }
+        };
+        if !want_kernel || self.kernel.is_none() {
+            return CopyPath::Direct;
+        }
+        if self.cfg.kernel_path == KernelPath::Mapped && self.all_mapped(&batch.ops) {
+            return CopyPath::Mapped;
+        }
+        if self.ensure_staging() {
+            CopyPath::Staged
+        } else {
+            CopyPath::Direct
+        }
+    }
+
+    fn all_mapped(&self, ops: &[CopyOp]) -> bool {
+        let Some(p) = &self.pins else { return false };
+        ops.iter().filter(|o| o.len > 0).all(|o| {
+            let mut h = o.host_addr;
+            let end = o.host_addr + o.len;
+            while h < end {
+                let Some(i) = p.find(h, 1) else { return false };
+                let c = &p.chunks()[i];
+                if c.state() != PinState::Pinned {
+                    return false;
+                }
+                h = c.addr + c.len;
+            }
+            true
+        })
+    }
+
+    fn ensure_staging(&mut self) -> bool {
+        if self.staging.is_some() {
+            return true;
+        }
+        if self.staging_failed {
+            return false;
+        }
+        let len = self.cfg.staging_chunk as usize;
+        let a = dev_alloc(len);
+        let b = dev_alloc(len);
+        match (a, b) {
+            (Ok(a), Ok(b)) => {
+                self.staging = Some([a, b]);
+                true
+            }
+            (a, b) => {
+                let err = a.as_ref().err().or(b.as_ref().err()).cloned();
+                for buf in [a, b].into_iter().flatten() {
+                    dev_free(&buf);
+                }
+                tracing::warn!(
+                    ordinal = self.ordinal,
+                    "no device memory for staging buffers ({len} bytes each): {}; using \
+                     direct copies",
+                    err.map(|e| e.0).unwrap_or_default()
+                );
+                self.staging_failed = true;
+                false
+            }
+        }
+    }
+
+    fn direct(&mut self, ops: &[CopyOp]) -> Result<usize, CudaError> {
+        let mut merged = merge_ops(ops);
+        if let Some(p) = &self.pins {
+            // A transfer must stay inside one registration: split at pinned-range starts.
+            let mut split = Vec::with_capacity(merged.len());
+            split_at_boundaries(&merged, &p.boundaries(), &mut split);
+            merged = split;
+        }
+        for (i, op) in merged.iter().enumerate() {
+            let s = self.streams[i % 2];
+            // SAFETY: the engine keeps the device mapping and the host buffer alive and
+            // validated until this batch completes; run() synchronises before answering.
+            let r = unsafe {
+                match self.dir {
+                    Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(
+                        op.host_addr as *mut c_void,
+                        op.device_addr,
+                        op.len,
+                        s,
+                    ),
+                    Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(
+                        op.device_addr,
+                        op.host_addr as *const c_void,
+                        op.len,
+                        s,
+                    ),
+                }
+            };
+            check(r, "cuMemcpyAsync")?;
+        }
+        Ok(merged.len())
+    }
+
+    /// Copies `descs` into the device descriptor buffer (through a pinned host buffer), on
+    /// stream 0; stream 1 waits for it.
+    fn upload(&mut self, descs: &[Desc]) -> Result<u64, CudaError> {
+        let bytes = std::mem::size_of_val(descs);
+        if self.desc_host.1 < bytes {
+            if !self.desc_host.0.is_null() {
+                // SAFETY: allocated by cuMemAllocHost below; the last batch using it synced.
+                let _ = unsafe { sys::cuMemFreeHost(self.desc_host.0) };
+                self.desc_host = (std::ptr::null_mut(), 0);
+            }
+            let cap = bytes.next_power_of_two().max(64 << 10);
+            let mut p: *mut c_void = std::ptr::null_mut();
+            check(
+                // SAFETY: out-pointer to a live local; the context is current.
+                unsafe { sys::cuMemAllocHost_v2(&mut p, cap) },
+                "cuMemAllocHost",
+            )?;
+            self.desc_host = (p, cap);
+        }
+        if self.desc_dev.as_ref().is_none_or(|d| d.len < bytes) {
+            if let Some(d) = self.desc_dev.take() {
+                dev_free(&d);
+            }
+            self.desc_dev = Some(dev_alloc(bytes.next_power_of_two().max(64 << 10))?);
+        }
+        let dev = self.desc_dev.as_ref().map(|d| d.ptr).unwrap_or(0);
+        // SAFETY: desc_host holds at least `bytes` bytes and no copy reads it (last batch
+        // synced); Desc is plain old data.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                descs.as_ptr().cast::<u8>(),
+                self.desc_host.0.cast::<u8>(),
+                bytes,
+            )
+        };
+        check(
+            // SAFETY: both buffers hold `bytes` bytes; stream 0 orders the later launches.
+            unsafe { sys::cuMemcpyHtoDAsync_v2(dev, self.desc_host.0, bytes, self.streams[0]) },
+            "cuMemcpyHtoDAsync (descriptors)",
+        )?;
+        check(
+            // SAFETY: event and streams of this context.
+            unsafe { sys::cuEventRecord(self.uploaded, self.streams[0]) },
+            "cuEventRecord",
+        )?;
+        check(
+            // SAFETY: as above.
+            unsafe { sys::cuStreamWaitEvent(self.streams[1], self.uploaded, 0) },
+            "cuStreamWaitEvent",
+        )?;
+        Ok(dev)
+    }
+
+    fn launch(
+        &self,
+        descs_dev: u64,
+        first: usize,
+        count: usize,
+        stream: sys::CUstream,
+    ) -> Result<(), CudaError> {
+        let Some(f) = self.kernel else {
+            return Err(CudaError("copy kernel unavailable".into()));
+        };
+        let mut done = 0;
+        while done < count {
+            let n = (count - done).min(u32::MAX as usize);
+            let mut ptr: u64 = descs_dev + ((first + done) * std::mem::size_of::<Desc>()) as u64;
+            let mut n32 = n as u32;
+            let grid = n32.min(self.grid_cap).max(1);
+            let mut params: [*mut c_void; 2] =
+                [(&mut ptr as *mut u64).cast(), (&mut n32 as *mut u32).cast()];
+            check(
+                // SAFETY: the kernel takes (const CopyDesc*, unsigned int), matching `params`; the
+                // descriptors were uploaded on stream 0 (stream 1 waits for that) and every address
+                // in them is device-visible and stays valid until the batch synchronises.
+                unsafe {
+                    sys::cuLaunchKernel(
+                        f,
+                        grid,
+                        1,
+                        1,
+                        BLOCK_THREADS,
+                        1,
+                        1,
+                        0,
+                        stream,
+                        params.as_mut_ptr(),
+                        std::ptr::null_mut(),
+                    )
+                },
+                "cuLaunchKernel",
+            )?;
+            done += n;
+        }
+        Ok(())
+    }
+
+    fn staged(&mut self, ops: &[CopyOp]) -> Result<usize, CudaError> {
+        let boundaries = self
+            .pins
+            .as_ref()
+            .map(|p| p.boundaries())
+            .unwrap_or_default();
+        let bases = match &self.staging {
+            Some([a, b]) => [a.ptr, b.ptr],
+            None => return Err(CudaError("no staging buffers".into())),
+        };
+        // Reused buffers: steady-state planning allocates nothing.
+        let mut plan = std::mem::take(&mut self.plan);
+        let mut descs = std::mem::take(&mut self.descs);
+        let mut ranges = std::mem::take(&mut self.desc_ranges);
+        plan.build(ops, self.cfg.staging_chunk, &boundaries);
+        descs.clear();
+        ranges.clear();
+        for (i, c) in plan.chunks.iter().enumerate() {
+            let base = bases[i % 2];
+            let start = descs.len();
+            for p in &plan.pieces[c.pieces.clone()] {
+                match self.dir {
+                    Direction::ToHost => {
+                        push_descs(&mut descs, p.device_addr, base + p.staging_off, p.len)
+                    }
+                    Direction::ToDevice => {
+                        push_descs(&mut descs, base + p.staging_off, p.device_addr, p.len)
+                    }
+                }
+            }
+            ranges.push((start, descs.len() - start));
+        }
+        let r = self.enqueue_staged(&plan, &descs, &ranges, bases);
+        self.plan = plan;
+        self.descs = descs;
+        self.desc_ranges = ranges;
+        r
+    }
+
+    fn enqueue_staged(
+        &mut self,
+        plan: &StagedPlan,
+        descs: &[Desc],
+        ranges: &[(usize, usize)],
+        bases: [u64; 2],
+    ) -> Result<usize, CudaError> {
+        let dev = self.upload(descs)?;
+        let mut submissions = 0;
+        for (i, c) in plan.chunks.iter().enumerate() {
+            let s = self.streams[i % 2];
+            let base = bases[i % 2];
+            let (first, count) = ranges[i];
+            if self.dir == Direction::ToHost {
+                self.launch(dev, first, count, s)?;
+            }
+            for hc in &plan.host_copies[c.host_copies.clone()] {
+                // SAFETY: the staging buffer holds `staging_off + len` bytes (plan bound); the
+                // host range lies in a live buffer; the stream orders this after the gather
+                // (ToHost) or before the scatter (ToDevice), and before the buffer's next use.
+                let r = unsafe {
+                    match self.dir {
+                        Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(
+                            hc.host_addr as *mut c_void,
+                            base + hc.staging_off,
+                            hc.len,
+                            s,
+                        ),
+                        Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(
+                            base + hc.staging_off,
+                            hc.host_addr as *const c_void,
+                            hc.len,
+                            s,
+                        ),
+                    }
+                };
+                check(r, "cuMemcpyAsync (staging)")?;
+            }
+            if self.dir == Direction::ToDevice {
+                self.launch(dev, first, count, s)?;
+            }
+            submissions += c.host_copies.len() + 1;
+        }
+        Ok(submissions)
+    }
+
+    /// The device pointer of pinned chunk `i` in this worker's context (looked up once).
+    fn mapped_base(&mut self, i: usize) -> Result<u64, CudaError> {
+        if let Some(b) = self.mapped[i] {
+            return Ok(b);
+        }
+        let p = self
+            .pins
+            .as_ref()
+            .ok_or_else(|| CudaError("nothing pinned".into()))?;
+        let c = &p.chunks()[i];
+        let mut d: sys::CUdeviceptr = 0;
+        check(
+            // SAFETY: out-pointer to a live local; the chunk is registered with DEVICEMAP.
+            unsafe { sys::cuMemHostGetDevicePointer_v2(&mut d, c.addr as *mut c_void, 0) },
+            "cuMemHostGetDevicePointer",
+        )?;
+        self.mapped[i] = Some(d);
+        Ok(d)
+    }
+
+    fn mapped_copy(&mut self, ops: &[CopyOp]) -> Result<usize, CudaError> {
+        let pins = self
+            .pins
+            .clone()
+            .ok_or_else(|| CudaError("nothing pinned".into()))?;
+        let mut descs = Vec::new();
+        for o in ops.iter().filter(|o| o.len > 0) {
+            // Split at pinned-chunk boundaries: each part has its own mapped base.
+            let mut done = 0usize;
+            while done < o.len {
+                let h = o.host_addr + done;
+                let i = pins
+                    .find(h, 1)
+                    .ok_or_else(|| CudaError(format!("host address {h:#x} is not pinned")))?;
+                let c = &pins.chunks()[i];
+                let n = (o.len - done).min(c.addr + c.len - h);
+                let mh = self.mapped_base(i)? + (h - c.addr) as u64;
+                let d = o.device_addr + done as u64;
+                match self.dir {
+                    Direction::ToHost => push_descs(&mut descs, d, mh, n as u64),
+                    Direction::ToDevice => push_descs(&mut descs, mh, d, n as u64),
+                }
+                done += n;
+            }
+        }
+        let r = self
+            .upload(&descs)
+            .and_then(|dev| self.launch(dev, 0, descs.len(), self.streams[0]));
+        self.descs = descs;
+        r.map(|()| 1)
+    }
+}
+
+impl Drop for Worker {
+    fn drop(&mut self) {
+        let _ = self.sync();
+        // SAFETY: everything below was created by this worker in its context (current on this
+        // thread) and nothing is in flight after sync().
+        unsafe {
+            if let Some(s) = self.staging.take() {
+                for b in &s {
+                    dev_free(b);
+                }
+            }
+            if let Some(d) = self.desc_dev.take() {
+                dev_free(&d);
+            }
+            if !self.desc_host.0.is_null() {
+                let _ = sys::cuMemFreeHost(self.desc_host.0);
+            }
+            for e in self.done.iter().chain([&self.uploaded]) {
+                let _ = sys::cuEventDestroy_v2(*e);
+            }
+            for s in &self.streams {
+                let _ = sys::cuStreamDestroy_v2(*s);
+            }
+        }
+    }
+}
+
+fn load_kernel() -> Result<sys::CUfunction, CudaError> {
+    let ptx = std::ffi::CString::new(KERNEL_PTX).map_err(|_| CudaError("PTX has a NUL".into()))?;
+    let mut module: sys::CUmodule = std::ptr::null_mut();
+    check(
+        // SAFETY: ptx is a NUL-terminated PTX image; the context is current. The module is kept for
+        // the process's lifetime (one per worker).
+        unsafe { sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) },
+        "cuModuleLoadData",
+    )?;
+    let mut f: sys::CUfunction = std::ptr::null_mut();
+    check(
+        // SAFETY: out-pointer to a live local; the name is NUL-terminated.
+        unsafe { sys::cuModuleGetFunction(&mut f, module, KERNEL_NAME.as_ptr()) },
+        "cuModuleGetFunction",
+    )?;
+    Ok(f)
+}
+
+fn dev_alloc(len: usize) -> Result<DevBuf, CudaError> {
+    let mut p: sys::CUdeviceptr = 0;
+    // SAFETY: out-pointer to a live local; the caller's thread has a current context.
+    check(unsafe { sys::cuMemAlloc_v2(&mut p, len) }, "cuMemAlloc")?;
+    Ok(DevBuf { ptr: p, len })
+}
+
+fn dev_free(b: &DevBuf) {
+    // SAFETY: b came from dev_alloc in the current context and nothing uses it any more.
+    let _ = unsafe { sys::cuMemFree_v2(b.ptr) };
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn config_parsing() {
+        let c = CudaTransportConfig::from_table(&toml::Table::new()).unwrap();
+        assert_eq!(c, CudaTransportConfig::default());
+        let t: toml::Table = toml::from_str(
+            r#"policy = "hint"
+kernel_path = "mapped"
+staging_chunk = "32mb"
+pin = false
+pin_threads = 3
+pin_chunk = "1gb"
+queue_depth = 8
+blocks_per_sm = 2
+direct_min_bytes = "1mb""#,
+        )
+        .unwrap();
+        let c = CudaTransportConfig::from_table(&t).unwrap();
+        assert_eq!(c.policy, Policy::Hint);
+        assert_eq!(c.kernel_path, KernelPath::Mapped);
+        assert_eq!(c.staging_chunk, 32 << 20);
+        assert!(!c.pin);
+        assert_eq!(
+            (c.pin_threads, c.pin_chunk, c.queue_depth, c.blocks_per_sm),
+            (3, 1 << 30, 8, 2)
+        );
+        assert_eq!(c.direct_min_bytes, 1 << 20);
+        for bad in [
+            "policy = \"fast\"",
+            "bogus = 1",
+            "staging_chunk = \"1kb\"",
+            "pin_chunk = \"65gb\"",
+            "pin_threads = 0",
+            "pin = 1",
+        ] {
+            let t: toml::Table = toml::from_str(bad).unwrap();
+            assert!(CudaTransportConfig::from_table(&t).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn factory_and_missing_driver() {
+        let f = pegaflow_runtime::transport_factory("cuda").unwrap();
+        let t = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
+        assert_eq!(t.kind(), "cuda");
+        assert!(t.can_address(MemoryLocation::CudaDevice { ordinal: 0 }));
+        assert!(!t.can_address(MemoryLocation::Host));
+        if driver().is_ok() {
+            return;
+        }
+        let rt = tokio::runtime::Builder::new_current_thread()
+            .build()
+            .unwrap();
+        let mut buf = vec![0u8; 16];
+        let batch = CopyBatch {
+            location: MemoryLocation::CudaDevice { ordinal: 0 },
+            direction: Direction::ToHost,
+            mode: TransferMode::Kernel,
+            ops: vec![CopyOp {
+                device_addr: 0x1000,
+                host_addr: buf.as_mut_ptr() as usize,
+                len: 16,
+            }],
+        };
+        let e = rt.block_on(t.copy(batch)).unwrap_err();
+        assert!(e.0.starts_with("CUDA driver not available:"), "{e}");
+    }
+
+    #[test]
+    fn ptx_is_embedded() {
+        assert!(KERNEL_PTX.contains(".entry pf_copy"));
+    }
+}
