@@ -423,16 +423,24 @@ impl Registry {
             )));
         }
         let (reply, rx) = tokio::sync::oneshot::channel();
-        let queued = self.queued.clone();
+        // Released when the job is done or dropped, even if it panics.
+        struct Slot(Arc<AtomicUsize>);
+        impl Drop for Slot {
+            fn drop(&mut self) {
+                self.0.fetch_sub(1, Ordering::AcqRel);
+            }
+        }
+        let slot = Slot(self.queued.clone());
         let job: Job = Box::new(move |st| {
             let out = f(st);
-            queued.fetch_sub(1, Ordering::AcqRel);
+            drop(slot);
+            // When the caller is gone the result is dropped here, on the registry thread.
             let _ = reply.send(out);
         });
-        self.tx.send(job).map_err(|_| {
-            self.queued.fetch_sub(1, Ordering::AcqRel);
-            CudaError("the cuda-registry thread is gone".into())
-        })?;
+        // On failure the job (and its slot) is dropped, releasing the slot.
+        self.tx
+            .send(job)
+            .map_err(|_| CudaError("the cuda-registry thread is gone".into()))?;
         Ok(rx)
     }
 

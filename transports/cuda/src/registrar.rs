@@ -175,18 +175,28 @@ impl Registrar for CudaIpcRegistrar {
             .registry()
             .map_err(|e| RegistrarError::Failed(e.to_string()))?;
         let to_open = distinct.clone();
+        // The mappings are created on the registry thread: if this request is cancelled while
+        // they open, the result is dropped there and every mapping closes again.
         let rx = registry
             .submit(move |st| {
-                let mut opened: Vec<(u64, u64)> = Vec::with_capacity(to_open.len());
-                for (k, (o, h)) in to_open.iter().enumerate() {
-                    match st.open_ipc(*o, h) {
-                        Ok(m) => opened.push(m),
+                let mut mappings: Vec<Arc<IpcMapping>> = Vec::with_capacity(to_open.len());
+                for &(ordinal, handle) in &to_open {
+                    match st.open_ipc(ordinal, &handle) {
+                        Ok((base, len)) => mappings.push(Arc::new(IpcMapping {
+                            ordinal,
+                            uuid: drv
+                                .device(ordinal)
+                                .map(|d| d.uuid.clone())
+                                .unwrap_or_default(),
+                            base,
+                            len,
+                            handle,
+                            registry,
+                        })),
                         Err(e) => {
-                            for (o, h) in &to_open[..k] {
-                                st.close_ipc(*o, h);
-                            }
+                            // Dropping `mappings` queues the closes of those already open.
                             return Err(format!(
-                                "cuIpcOpenMemHandle on GPU {o} failed: {e} (is the engine \
+                                "cuIpcOpenMemHandle on GPU {ordinal} failed: {e} (is the engine \
                                  process alive, and on this node?)"
                             ));
                         }
@@ -197,31 +207,14 @@ impl Registrar for CudaIpcRegistrar {
                         tracing::warn!("waiting for the producer's IPC event on GPU {o}: {e}");
                     }
                 }
-                Ok(opened)
+                Ok(mappings)
             })
             .map_err(|e| RegistrarError::Failed(e.to_string()))?;
-        let opened = rx
+        // From here on, dropping a mapping closes it: an error below releases everything.
+        let mappings = rx
             .await
             .map_err(|_| RegistrarError::Failed("the cuda-registry thread is gone".into()))?
             .map_err(RegistrarError::Failed)?;
-        // From here on, dropping a mapping closes it: an error below releases everything.
-        let mappings: Vec<Arc<IpcMapping>> = distinct
-            .iter()
-            .zip(&opened)
-            .map(|(&(ordinal, handle), &(base, len))| {
-                Arc::new(IpcMapping {
-                    ordinal,
-                    uuid: drv
-                        .device(ordinal)
-                        .map(|d| d.uuid.clone())
-                        .unwrap_or_default(),
-                    base,
-                    len,
-                    handle,
-                    registry,
-                })
-            })
-            .collect();
         let mut regions = Vec::with_capacity(layers.len());
         for (i, ((w, h), &o)) in layers.iter().zip(&ordinals).enumerate() {
             let m = &mappings[index[&(o, *h)]];
