@@ -9,6 +9,8 @@ use pegaflow_runtime::config::Cli;
 use pegaflow_tier_dram as _;
 #[cfg(feature = "shm")]
 use pegaflow_transport_shm as _;
+#[cfg(any(feature = "cuda-13", feature = "cuda-12"))]
+use pegaflow_transport_cuda as _;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
