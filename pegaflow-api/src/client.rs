@@ -156,6 +156,9 @@ impl EngineClient {
         })?;
         let ch = ep
             .connect_timeout(std::time::Duration::from_secs(5))
+            .tcp_nodelay(true)
+            .initial_stream_window_size(Some(8 << 20))
+            .initial_connection_window_size(Some(32 << 20))
             .http2_keep_alive_interval(std::time::Duration::from_secs(5))
             .keep_alive_while_idle(true)
             .connect()

@@ -11,6 +11,8 @@ pub mod layout;
 pub mod load_state;
 pub mod memfd;
 pub mod native;
+#[cfg(feature = "cuda")]
+pub mod vmm;
 
 pub use error::ApiError;
 pub use layout::{KvLayout, LayoutError, SegmentRange};

@@ -325,3 +325,55 @@ async fn session_drop_cleans_the_instance() {
     // Blocks of the namespace survive the instance.
     assert_eq!(srv.handle.engine.index().resident_blocks(), 2);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn repeated_hashes_and_per_layer_orders_seal_correctly() {
+    let srv = TestServer::start(ServerOptions::default()).await;
+    let shape = KvShape {
+        layers: 3,
+        num_blocks: 8,
+        segment_bytes: 256,
+    };
+    let mut w = Worker::register(&srv, "ord", "ns", shape, 0, 1, 0).await;
+    let (h0, h1) = (hash_of("o", 0), hash_of("o", 1));
+    w.kv.fill(0, &h0);
+    w.kv.fill(1, &h1);
+    w.kv.fill(2, b"not-h0");
+    // Layer 0 lists h0 twice (block 0 first, then block 2: the first wins); layer 1 lists
+    // the blocks in the other order; layer 2 like layer 0.
+    let saves = vec![
+        (
+            KvShape::layer_name(0),
+            vec![0, 1, 2],
+            vec![h0.clone(), h1.clone(), h0.clone()],
+        ),
+        (
+            KvShape::layer_name(1),
+            vec![1, 0],
+            vec![h1.clone(), h0.clone()],
+        ),
+        (
+            KvShape::layer_name(2),
+            vec![0, 1, 2],
+            vec![h0.clone(), h1.clone(), h0.clone()],
+        ),
+    ];
+    w.client.save("ord", 0, 0, 0, saves).await.unwrap();
+    let (n, lease) = ready(
+        w.client
+            .query("ord", vec![h0.clone(), h1.clone()], "q")
+            .await
+            .unwrap(),
+    );
+    assert_eq!(n, 2);
+    assert_eq!(srv.handle.engine.index().resident_blocks(), 2);
+    for b in 0..8 {
+        w.kv.poison(b, 0);
+    }
+    assert_eq!(w.load(&lease, &[5, 6]).await.unwrap(), LOAD_SUCCESS);
+    assert!(
+        w.kv.holds(5, &h0),
+        "h0 restored from block 0 in every layer"
+    );
+    assert!(w.kv.holds(6, &h1));
+}

@@ -143,22 +143,33 @@ impl Engine {
         let ns = &inst.namespace;
         let mut plans: Vec<BlockPlan<'_>> = Vec::new();
         let mut by_key: HashMap<(u32, &[u8]), usize> = HashMap::new();
+        // Layers usually carry the same hash list: reuse the previous layer's position → plan
+        // mapping instead of looking every (layer, block) up again.
+        let mut prev: Option<(u32, &Vec<Vec<u8>>, Vec<Option<usize>>)> = None;
         for (s, layer) in saves.iter().zip(&layers) {
             let (slot, page_off) = topo
                 .slot_of(&s.layer_name, w.tp_rank)
                 .expect("registered layer is in the sealed topology");
             let block_bytes = layer.layout.block_bytes() as usize;
-            for (&bid, hash) in s.block_ids.iter().zip(&s.block_hashes) {
-                let key = (layer.group, hash.as_slice());
-                let idx = match by_key.get(&key) {
-                    Some(&i) => i,
-                    None => {
+            let reuse = prev
+                .as_ref()
+                .is_some_and(|(g, h, _)| *g == layer.group && **h == s.block_hashes);
+            let positions: Vec<Option<usize>> = if reuse {
+                prev.take().expect("checked").2
+            } else {
+                s.block_hashes
+                    .iter()
+                    .map(|hash| {
+                        let key = (layer.group, hash.as_slice());
+                        if let Some(&i) = by_key.get(&key) {
+                            return Some(i);
+                        }
                         if self.index.contains(KeyRef {
                             namespace: ns,
                             group: layer.group,
                             hash,
                         }) {
-                            continue;
+                            return None;
                         }
                         plans.push(BlockPlan {
                             group: layer.group,
@@ -168,9 +179,12 @@ impl Engine {
                             len: 0,
                         });
                         by_key.insert(key, plans.len() - 1);
-                        plans.len() - 1
-                    }
-                };
+                        Some(plans.len() - 1)
+                    })
+                    .collect()
+            };
+            for (&bid, idx) in s.block_ids.iter().zip(&positions) {
+                let Some(idx) = *idx else { continue };
                 let p = &mut plans[idx];
                 if topo.page_first {
                     if p.slots.is_empty() {
@@ -178,19 +192,26 @@ impl Engine {
                         p.slots.push((slot, 0, page));
                         p.len = page;
                     }
-                    if p.parts.iter().any(|(l, _, _)| std::ptr::eq(*l, *layer)) {
+                    // Parts of one layer are pushed together: a repeat is the same hash twice.
+                    if p.parts
+                        .last()
+                        .is_some_and(|(l, _, _)| std::ptr::eq(*l, *layer))
+                    {
                         continue;
                     }
                     p.parts.push((layer, bid, page_off));
                 } else {
-                    if p.slots.iter().any(|s| s.0 == slot) {
-                        continue; // the same hash twice in one layer: first wins
+                    // Each layer has its own slot and pushes its parts together, so a repeat of
+                    // this layer's slot is the same hash twice in one layer: first wins.
+                    if p.slots.last().is_some_and(|s| s.0 == slot) {
+                        continue;
                     }
                     p.slots.push((slot, p.len, block_bytes));
                     p.parts.push((layer, bid, p.len));
                     p.len += block_bytes;
                 }
             }
+            prev = Some((layer.group, &s.block_hashes, positions));
         }
         if plans.is_empty() {
             return Ok(());
