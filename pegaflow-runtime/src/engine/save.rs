@@ -145,7 +145,9 @@ impl Engine {
         let mut by_key: HashMap<(u32, &[u8]), usize> = HashMap::new();
         // Layers usually carry the same hash list: reuse the previous layer's position → plan
         // mapping instead of looking every (layer, block) up again.
-        let mut prev: Option<(u32, &Vec<Vec<u8>>, Vec<Option<usize>>)> = None;
+        // (group, hash list, plan index per position) of the previous layer.
+        type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<usize>>);
+        let mut prev: Option<Positions<'_>> = None;
         for (s, layer) in saves.iter().zip(&layers) {
             let (slot, page_off) = topo
                 .slot_of(&s.layer_name, w.tp_rank)
