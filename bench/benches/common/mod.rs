@@ -1,0 +1,147 @@
+//! A registered single-worker instance on an in-process server, for the benchmarks.
+
+#![allow(dead_code)]
+
+use std::sync::Arc;
+
+use pegaflow_api::client::{EngineClient, QueryOutcome};
+use pegaflow_bench::server::{layer_name, InProcessServer, KvCache};
+use pegaflow_proto as pb;
+use pegaflow_runtime::engine::Engine;
+
+/// An in-process server with one registered host-memfd instance.
+pub struct Fixture {
+    pub server: InProcessServer,
+    pub client: EngineClient,
+    pub kv: KvCache,
+    pub instance: String,
+}
+
+impl Fixture {
+    /// A server with a DRAM tier of `capacity` and an instance whose cache has `layers`
+    /// layers of `num_blocks` blocks of two `segment_bytes` segments.
+    pub async fn new(
+        capacity: u64,
+        layers: usize,
+        num_blocks: usize,
+        segment_bytes: usize,
+    ) -> Self {
+        let server = InProcessServer::start(capacity)
+            .await
+            .expect("server starts");
+        let mut client = EngineClient::connect(&server.endpoint())
+            .await
+            .expect("connect");
+        let kv = KvCache::new(layers, num_blocks, segment_bytes).expect("kv cache");
+        let instance = format!("bench-{}", uuid_like());
+        kv.register(&mut client, server.socket(), &instance, "bench")
+            .await
+            .expect("register");
+        Self {
+            server,
+            client,
+            kv,
+            instance,
+        }
+    }
+
+    pub fn engine(&self) -> &Arc<Engine> {
+        self.server.engine()
+    }
+
+    /// The Save request of cache blocks `ids` (every layer) under `hashes`.
+    pub fn save_request(&self, ids: &[u32], hashes: &[Vec<u8>]) -> pb::SaveRequest {
+        pb::SaveRequest {
+            instance_id: self.instance.clone(),
+            tp_rank: 0,
+            pp_rank: 0,
+            device_id: 0,
+            saves: (0..self.kv.layers())
+                .map(|l| pb::SaveLayer {
+                    layer_name: layer_name(l),
+                    block_ids: ids.to_vec(),
+                    block_hashes: hashes.to_vec(),
+                })
+                .collect(),
+        }
+    }
+
+    /// The Query request of `hashes`.
+    pub fn query_request(&self, hashes: &[Vec<u8>]) -> pb::QueryRequest {
+        pb::QueryRequest {
+            instance_id: self.instance.clone(),
+            block_hashes: hashes.to_vec(),
+            req_id: "bench".into(),
+            wait_for_full_prefix: false,
+            group_id: 0,
+        }
+    }
+
+    /// The Load request of `lease` into cache blocks `targets`, returning when copied.
+    pub fn load_request(&self, lease: &[u8], targets: &[u32]) -> pb::LoadRequest {
+        pb::LoadRequest {
+            instance_id: self.instance.clone(),
+            tp_rank: 0,
+            device_id: 0,
+            load_state_shm: String::new(),
+            groups: vec![pb::LoadGroup {
+                layer_names: (0..self.kv.layers()).map(layer_name).collect(),
+            }],
+            loads: vec![pb::LeaseLoad {
+                lease: lease.to_vec(),
+                block_ids_by_group: vec![pb::LoadBlockIds {
+                    targets: targets
+                        .iter()
+                        .map(|&b| pb::LoadBlockTarget {
+                            target: Some(pb::load_block_target::Target::BlockId(b)),
+                        })
+                        .collect(),
+                }],
+            }],
+            wait_for_completion: true,
+        }
+    }
+}
+
+/// The lease of a Ready answer from the engine.
+pub fn lease_of(r: pb::QueryResponse) -> (u64, Vec<u8>) {
+    match r.outcome {
+        Some(pb::query_response::Outcome::Ready(q)) => (q.num_hit_blocks, q.lease),
+        other => panic!("unexpected query outcome {other:?}"),
+    }
+}
+
+/// The lease of a Ready answer from the client.
+pub fn lease_of_client(r: QueryOutcome) -> (u64, Vec<u8>) {
+    match r {
+        QueryOutcome::Ready {
+            num_hit_blocks,
+            lease,
+            ..
+        } => (num_hit_blocks, lease),
+        QueryOutcome::Loading => panic!("unexpected Loading"),
+    }
+}
+
+/// 8-byte little-endian hash of `i`.
+pub fn hash(i: u64) -> Vec<u8> {
+    i.to_le_bytes().to_vec()
+}
+
+fn uuid_like() -> String {
+    format!(
+        "{:x}",
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map(|d| d.as_nanos())
+            .unwrap_or(0)
+    )
+}
+
+/// A runtime like the server's.
+pub fn runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .expect("runtime")
+}

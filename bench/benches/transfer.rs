@@ -1,0 +1,151 @@
+//! Save and Load GB/s through the shm path (host memfd <-> DRAM tier, memcpy transport) for
+//! blocks of 8 KiB to 2 MiB, next to a plain memcpy of the same bytes.
+//!
+//! Each block is one layer's K and V halves (split KV-first layout, two ranges of half the
+//! block). Every timed operation moves a 32 MiB batch (below the memcpy transport's 64 MiB
+//! threshold for splitting over threads, so it is one thread, like the memcpy baseline).
+//! - `save/grpc`, `save/engine`: a Save of fresh hashes, through the RPC or `Engine::save`;
+//!   the pool is filled first, so each save also evicts the oldest 32 MiB (steady state);
+//! - `load/grpc`, `load/engine`: a Load (`wait_for_completion`) of a resident 32 MiB lease;
+//!   the QueryPrefetch that mints the lease is not timed;
+//! - `memcpy`: `copy_from_slice` of the same blocks between two pre-touched 32 MiB buffers.
+//!
+//! Run: `cargo bench -p pegaflow-bench --bench transfer`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::{hash, lease_of, lease_of_client, runtime, Fixture};
+use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+
+const BATCH: usize = 32 << 20;
+const SIZES: [usize; 6] = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 2 << 20];
+const POOL: u64 = 512 << 20;
+
+fn label(size: usize) -> String {
+    if size >= 1 << 20 {
+        format!("{}MiB", size >> 20)
+    } else {
+        format!("{}KiB", size >> 10)
+    }
+}
+
+fn transfer_benches(c: &mut Criterion) {
+    let rt = runtime();
+    for &size in &SIZES {
+        let n = BATCH / size;
+        let fx = rt.block_on(Fixture::new(POOL, 1, 2 * n, size / 2));
+        let ids: Vec<u32> = (0..n as u32).collect();
+        let mut next = 0u64;
+        let mut fresh = |k: usize| -> Vec<Vec<u8>> {
+            let v = (next..next + k as u64).map(hash).collect();
+            next += k as u64;
+            v
+        };
+        // Fill the pool once (pages committed, eviction from here on).
+        for _ in 0..(POOL as usize / BATCH + 1) {
+            let h = fresh(n);
+            rt.block_on(fx.engine().save(fx.save_request(&ids, &h)))
+                .expect("save");
+        }
+        let mut g = c.benchmark_group("save");
+        g.throughput(Throughput::Bytes(BATCH as u64));
+        let mut client = fx.client.clone();
+        g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let h = fresh(n);
+                    let saves = vec![(pegaflow_bench::server::layer_name(0), ids.clone(), h)];
+                    let t = Instant::now();
+                    rt.block_on(client.save(&fx.instance, 0, 0, 0, saves))
+                        .expect("save");
+                    total += t.elapsed();
+                }
+                total
+            })
+        });
+        g.bench_function(BenchmarkId::new("engine", label(size)), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let req = fx.save_request(&ids, &fresh(n));
+                    let t = Instant::now();
+                    rt.block_on(fx.engine().save(req)).expect("save");
+                    total += t.elapsed();
+                }
+                total
+            })
+        });
+        g.finish();
+
+        // A resident batch to load, into the other half of the cache.
+        let resident = fresh(n);
+        rt.block_on(fx.engine().save(fx.save_request(&ids, &resident)))
+            .expect("save");
+        let targets: Vec<u32> = (n as u32..2 * n as u32).collect();
+        let mut g = c.benchmark_group("load");
+        g.throughput(Throughput::Bytes(BATCH as u64));
+        g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let (hits, lease) = lease_of_client(
+                        rt.block_on(client.query(&fx.instance, resident.clone(), "bench"))
+                            .expect("query"),
+                    );
+                    assert_eq!(hits as usize, n, "the batch must stay resident");
+                    let req = fx.load_request(&lease, &targets);
+                    let t = Instant::now();
+                    rt.block_on(client.load(req)).expect("load");
+                    total += t.elapsed();
+                }
+                total
+            })
+        });
+        g.bench_function(BenchmarkId::new("engine", label(size)), |b| {
+            b.iter_custom(|iters| {
+                let mut total = Duration::ZERO;
+                for _ in 0..iters {
+                    let (hits, lease) = lease_of(
+                        rt.block_on(fx.engine().query(fx.query_request(&resident)))
+                            .expect("query"),
+                    );
+                    assert_eq!(hits as usize, n, "the batch must stay resident");
+                    let req = fx.load_request(&lease, &targets);
+                    let t = Instant::now();
+                    rt.block_on(fx.engine().load(req)).expect("load");
+                    total += t.elapsed();
+                }
+                total
+            })
+        });
+        g.finish();
+        rt.block_on(fx.server.shutdown());
+
+        let src = vec![0x5Au8; BATCH];
+        let mut dst = vec![0u8; BATCH];
+        let mut g = c.benchmark_group("memcpy");
+        g.throughput(Throughput::Bytes(BATCH as u64));
+        g.bench_function(BenchmarkId::new("plain", label(size)), |b| {
+            b.iter(|| {
+                for (d, s) in dst.chunks_exact_mut(size).zip(src.chunks_exact(size)) {
+                    d.copy_from_slice(s);
+                }
+                std::hint::black_box(&mut dst);
+            })
+        });
+        g.finish();
+    }
+}
+
+criterion_group! {
+    name = benches;
+    config = Criterion::default()
+        .sample_size(10)
+        .warm_up_time(Duration::from_millis(500))
+        .measurement_time(Duration::from_secs(2));
+    targets = transfer_benches
+}
+criterion_main!(benches);
