@@ -67,6 +67,15 @@ impl ServerHandle {
 
 /// Builds the plugins of `pipeline` and starts serving. Returns once both listeners are bound.
 pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
+    // Bind first: a taken port fails start-up before any memory is mapped or pinned.
+    let grpc_listener = TcpListener::bind(pipeline.grpc_addr()?)
+        .await
+        .with_context(|| format!("cannot listen for gRPC on {}", pipeline.server.addr))?;
+    let grpc_addr = grpc_listener.local_addr()?;
+    let http_listener = TcpListener::bind(pipeline.http_addr()?)
+        .await
+        .with_context(|| format!("cannot listen for HTTP on {}", pipeline.server.http_addr))?;
+    let http_addr = http_listener.local_addr()?;
     let metrics = Arc::new(Metrics::new());
     let fd_channel = match &pipeline.fd_channel {
         Some(c) => Some(
@@ -166,15 +175,6 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             }
         }));
     }
-
-    let grpc_listener = TcpListener::bind(pipeline.grpc_addr()?)
-        .await
-        .with_context(|| format!("cannot listen for gRPC on {}", pipeline.server.addr))?;
-    let grpc_addr = grpc_listener.local_addr()?;
-    let http_listener = TcpListener::bind(pipeline.http_addr()?)
-        .await
-        .with_context(|| format!("cannot listen for HTTP on {}", pipeline.server.http_addr))?;
-    let http_addr = http_listener.local_addr()?;
 
     let svc = EngineService::new(
         engine.clone(),

@@ -65,6 +65,7 @@ pub(super) fn push_ops(
 impl Engine {
     /// Save (see the module doc). INVALID_ARGUMENT / FAILED_PRECONDITION before any copy.
     pub async fn save(&self, req: pb::SaveRequest) -> EngineResult<()> {
+        let t_rpc = Instant::now();
         if req.device_id < 0 {
             return Err(EngineError::invalid(format!(
                 "device_id must be >= 0, got {}",
@@ -245,12 +246,20 @@ impl Engine {
                 .inc();
             return Err(e);
         }
+        tracing::debug!(
+            instance = %inst.id,
+            blocks = lens.len(),
+            bytes,
+            copy_us = t0.elapsed().as_micros() as u64,
+            "save copied"
+        );
         self.metrics.save_bytes.inc_by(bytes);
         self.metrics
             .save_duration
             .observe(t0.elapsed().as_secs_f64());
         self.seal(&inst.namespace, &topo.groups, plans, bufs);
         self.update_gauges();
+        tracing::debug!(instance = %inst.id, total_us = t_rpc.elapsed().as_micros() as u64, "save done");
         Ok(())
     }
 

@@ -622,6 +622,7 @@ impl Worker {
     }
 
     fn run(&mut self, batch: &CopyBatch) -> Result<CopyReport, CudaError> {
+        let t0 = std::time::Instant::now();
         let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
         let path = self.choose(batch);
         let r = match path {
@@ -629,9 +630,20 @@ impl Worker {
             CopyPath::Staged => self.staged(&batch.ops),
             CopyPath::Mapped => self.mapped_copy(&batch.ops),
         };
+        let enqueued = t0.elapsed();
         // Always wait for what was enqueued, success or not: the host buffers and the mapping
         // may be released as soon as we answer.
         let s = self.sync();
+        tracing::debug!(
+            ordinal = self.ordinal,
+            dir = ?self.dir,
+            ?path,
+            ops = batch.ops.len(),
+            bytes,
+            enqueue_us = enqueued.as_micros() as u64,
+            total_us = t0.elapsed().as_micros() as u64,
+            "copy batch"
+        );
         let submissions = r?;
         s?;
         Ok(CopyReport {
