@@ -295,7 +295,7 @@ fn ipc_registration_roundtrips_byte_exact_in_both_modes() {
             let targets: Vec<u32> = (0..32).map(|i| 63 - i).collect();
             assert_eq!(load(&mut c, id, 0, 0, &lease, &targets).await, 1);
             for (i, h) in hs.iter().enumerate() {
-                assert!(kv.holds(63 - i as usize, h), "{id}: block {i}");
+                assert!(kv.holds(63 - i, h), "{id}: block {i}");
             }
             c.unregister(id).await.unwrap();
         }
