@@ -28,9 +28,11 @@ pub mod plan;
 pub mod registrar;
 pub mod testing;
 pub mod transport;
+pub mod vmm;
 pub mod wrapper;
 
 pub use driver::{driver, CudaError, DeviceInfo, Driver};
 pub use registrar::{CudaIpcRegistrar, IpcMapping};
 pub use transport::{CopyPath, CopyReport, CudaTransport, CudaTransportConfig, KernelPath, Policy};
+pub use vmm::CudaVmmRegistrar;
 pub use wrapper::{parse_wrapper, CudaIpcWrapper, MemHandle, WrapperError};
