@@ -3,6 +3,9 @@
 //! - registrar kind `cuda-ipc` ([`CudaIpcRegistrar`]): imports the published Python client's
 //!   pickled `CudaIPCWrapper`s ([`wrapper`]) as CUDA IPC mappings whose regions live in
 //!   [`pegaflow_runtime::MemoryLocation::CudaDevice`] memory;
+//! - registrar kind `cuda-vmm` ([`CudaVmmRegistrar`]): imports a native engine's CUDA VMM
+//!   allocation, sent as a POSIX fd on the side channel, and maps it (fence → drain → unmap on
+//!   the `cuda-registry` thread);
 //! - transport kind `cuda` ([`CudaTransport`]): moves Save/Load batches between that memory
 //!   and the landing tier's host buffers, pinning the tier in the background.
 //!
