@@ -7,10 +7,10 @@ use pegaflow_runtime::config::Cli;
 // Link the backends so their factories register (the linker may drop an unreferenced crate).
 #[cfg(feature = "dram")]
 use pegaflow_tier_dram as _;
-#[cfg(feature = "shm")]
-use pegaflow_transport_shm as _;
 #[cfg(any(feature = "cuda-13", feature = "cuda-12"))]
 use pegaflow_transport_cuda as _;
+#[cfg(feature = "shm")]
+use pegaflow_transport_shm as _;
 
 fn main() -> anyhow::Result<()> {
     let cli = Cli::parse();
