@@ -377,3 +377,37 @@ async fn repeated_hashes_and_per_layer_orders_seal_correctly() {
     );
     assert!(w.kv.holds(6, &h1));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn concurrent_saves_under_pressure_never_fail_while_blocks_are_evictable() {
+    let shape = KvShape {
+        layers: 2,
+        num_blocks: 8,
+        segment_bytes: 512,
+    };
+    let block = (shape.layers * 2 * shape.segment_bytes) as u64;
+    let srv = TestServer::start(ServerOptions {
+        capacity_bytes: 16 * block,
+        ..Default::default()
+    })
+    .await;
+    let mut tasks = Vec::new();
+    for t in 0..8 {
+        let mut w = Worker::register(&srv, &format!("c{t}"), "ns", shape, 0, 1, 0).await;
+        tasks.push(tokio::spawn(async move {
+            for round in 0..60 {
+                let hs = vec![
+                    hash_of(&format!("c{t}-{round}"), 0),
+                    hash_of(&format!("c{t}-{round}"), 1),
+                ];
+                w.save(&[0, 1], &hs)
+                    .await
+                    .expect("evictable blocks make room");
+            }
+        }));
+    }
+    for t in tasks {
+        t.await.unwrap();
+    }
+    assert!(srv.handle.engine.landing_tier().used_bytes() <= 16 * block);
+}

@@ -254,18 +254,18 @@ impl Engine {
             if let Some(b) = self.landing.allocate_batch(lens) {
                 return Ok(b);
             }
+            // Evict least recently used blocks until the free bytes cover the request — at
+            // least one per round, since a concurrent save may take what was freed — then retry.
             let mut evicted = 0u64;
-            while cap.saturating_sub(self.landing.used_bytes()) < need {
-                match self.index.evict_lru() {
-                    Some(e) => {
-                        self.note_eviction(&e.block, "pressure");
-                        let before = self.landing.used_bytes();
-                        drop(e);
-                        let freed = before.saturating_sub(self.landing.used_bytes());
-                        self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
-                        evicted += 1;
-                    }
-                    None => break,
+            while let Some(e) = self.index.evict_lru() {
+                self.note_eviction(&e.block, "pressure");
+                let before = self.landing.used_bytes();
+                drop(e);
+                let freed = before.saturating_sub(self.landing.used_bytes());
+                self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
+                evicted += 1;
+                if cap.saturating_sub(self.landing.used_bytes()) >= need {
+                    break;
                 }
             }
             if evicted == 0 {

@@ -383,9 +383,6 @@ impl HostMemory for Pool {
             }
         }
         let total: usize = ranges.iter().map(|r| r.1).sum();
-        // Counted down before the bytes are free again, so `used` never over-reports free
-        // memory to a concurrent allocation.
-        self.used.fetch_sub(total, Ordering::Relaxed);
         let home = self.shard_index(first.addr.wrapping_sub(self.map.addr));
         let home_shard = &self.shards[home];
         let mut refused = 0;
@@ -405,8 +402,10 @@ impl HostMemory for Pool {
                 }
             }
         }
+        // Counted down only once the bytes are back on the free lists: `used` may briefly
+        // over-report, never under-report, so a caller that sees free bytes can allocate them.
+        self.used.fetch_sub(total - refused, Ordering::Relaxed);
         if refused > 0 {
-            self.used.fetch_add(refused, Ordering::Relaxed);
             tracing::error!(
                 bytes = refused,
                 "dram pool: released extents overlap free memory (double free?); ignored"
