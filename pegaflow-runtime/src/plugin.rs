@@ -445,3 +445,150 @@ pub fn describe_plugins() -> String {
     );
     s
 }
+
+/// A native registration (an allocation sent on the fd side channel), checked as far as it can
+/// be without its descriptor. Registrars of native payloads start from here.
+#[derive(Debug)]
+pub struct NativeImport {
+    /// The side channel the descriptor arrives on.
+    pub channel: Arc<FdChannel>,
+    /// The registering instance (side-channel safe).
+    pub instance_id: String,
+    /// The worker's device id.
+    pub device_id: i32,
+    /// The allocation's size as the client states it, in bytes (> 0).
+    pub alloc_size: u64,
+    /// One view per layer, each non-empty, with a non-zero stride, inside `alloc_size`.
+    pub views: Vec<NativeView>,
+}
+
+impl NativeImport {
+    /// Checks `req` for a registrar of `kind` (named `registrar` in messages): the side channel
+    /// is configured (else Precondition), the payload is `kind`, the instance id is
+    /// side-channel safe, `alloc_size > 0` and every view lies inside the allocation (else
+    /// Invalid). When the request is refused after the channel check, the descriptor already
+    /// sent for its key is closed, so the client can resend at once.
+    pub fn check(
+        registrar: &str,
+        kind: PayloadKind,
+        channel: Option<&Arc<FdChannel>>,
+        req: ImportRequest,
+    ) -> Result<Self, RegistrarError> {
+        let Some(channel) = channel else {
+            return Err(RegistrarError::Precondition(format!(
+                "{registrar} registration needs the fd side channel: start the server with --fd-socket-path"
+            )));
+        };
+        let ImportRequest {
+            instance_id,
+            device_id,
+            payload,
+        } = req;
+        let (alloc_size, views) = match payload {
+            RegistrationPayload::Native {
+                kind: k,
+                alloc_size,
+                views,
+            } if k == kind => (alloc_size, views),
+            other => {
+                return Err(RegistrarError::Invalid(format!(
+                    "the {registrar} registrar cannot import a {} payload",
+                    other.kind().name()
+                )))
+            }
+        };
+        if !pegaflow_api::is_side_channel_safe_id(&instance_id) {
+            return Err(RegistrarError::Invalid(format!(
+                "instance id {instance_id:?} must be 1-128 characters of [A-Za-z0-9_-] for the fd side channel"
+            )));
+        }
+        let import = Self {
+            channel: channel.clone(),
+            instance_id,
+            device_id,
+            alloc_size,
+            views,
+        };
+        match import.check_views(registrar) {
+            Ok(()) => Ok(import),
+            Err(e) => Err(import.refuse(e)),
+        }
+    }
+
+    fn check_views(&self, registrar: &str) -> Result<(), RegistrarError> {
+        let alloc_size = self.alloc_size;
+        if alloc_size == 0 {
+            return Err(RegistrarError::Invalid(format!(
+                "{registrar} alloc_size must be > 0"
+            )));
+        }
+        if self.views.is_empty() {
+            return Err(RegistrarError::Invalid(format!(
+                "{registrar} registration has no layer views"
+            )));
+        }
+        for (layer, v) in self.views.iter().enumerate() {
+            if v.size_bytes == 0 {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: size_bytes must be > 0"
+                )));
+            }
+            if v.block_stride_bytes == 0 {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: block_stride_bytes must be > 0"
+                )));
+            }
+            if !v
+                .offset_bytes
+                .checked_add(v.size_bytes)
+                .is_some_and(|end| end <= alloc_size)
+            {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: view at offset {} of {} bytes exceeds the {alloc_size}-byte allocation",
+                    v.offset_bytes, v.size_bytes
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Closes the descriptor pending for this registration's key (if any) and returns `e`: for
+    /// a refusal decided before the descriptor was taken.
+    pub fn refuse(&self, e: RegistrarError) -> RegistrarError {
+        if self.channel.discard(&self.instance_id, self.device_id) {
+            tracing::debug!(instance = %self.instance_id, device_id = self.device_id, "discarded the pending fd of a refused registration");
+        }
+        e
+    }
+
+    /// Takes the registration's descriptor, waiting up to `timeout`; Precondition when none came.
+    pub async fn take_fd(
+        &self,
+        what: &str,
+        timeout: std::time::Duration,
+    ) -> Result<std::os::fd::OwnedFd, RegistrarError> {
+        self.channel
+            .take(&self.instance_id, self.device_id, timeout)
+            .await
+            .ok_or_else(|| {
+                RegistrarError::Precondition(format!(
+                    "no {what} received on the fd side channel for instance {} device {} within {}s",
+                    self.instance_id,
+                    self.device_id,
+                    timeout.as_secs_f64()
+                ))
+            })
+    }
+
+    /// One region per view, all in `memory`.
+    pub fn regions(&self, memory: Arc<dyn Registration>) -> Vec<LayerRegion> {
+        self.views
+            .iter()
+            .map(|v| LayerRegion {
+                memory: Arc::clone(&memory),
+                offset: v.offset_bytes,
+                len: v.size_bytes,
+            })
+            .collect()
+    }
+}

@@ -34,8 +34,8 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemoryLocation, NativeView, PayloadKind, PluginOption, Registrar,
-    RegistrarError, RegistrarFactory, Registration, RegistrationPayload, RuntimeContext,
+    ImportRequest, LayerRegion, MemoryLocation, NativeImport, PayloadKind, PluginOption, Registrar,
+    RegistrarError, RegistrarFactory, Registration, RuntimeContext,
 };
 
 use crate::driver::{check, driver, CudaError, Driver, Registry};
@@ -480,43 +480,7 @@ impl CudaVmmRegistrar {
     }
 
     /// Everything that can be checked without the fd and before any CUDA call.
-    fn check_request(
-        &self,
-        ordinal: i32,
-        alloc_size: u64,
-        views: &[NativeView],
-    ) -> Result<(), RegistrarError> {
-        if alloc_size == 0 {
-            return Err(RegistrarError::Invalid(
-                "cuda-vmm alloc_size must be > 0".into(),
-            ));
-        }
-        if views.is_empty() {
-            return Err(RegistrarError::Invalid(
-                "cuda-vmm registration has no layer views".into(),
-            ));
-        }
-        for (layer, v) in views.iter().enumerate() {
-            if v.size_bytes == 0 {
-                return Err(RegistrarError::Invalid(format!(
-                    "layer {layer}: size_bytes must be > 0"
-                )));
-            }
-            if v.block_stride_bytes == 0 {
-                return Err(RegistrarError::Invalid(format!(
-                    "layer {layer}: block_stride_bytes must be > 0"
-                )));
-            }
-            match v.offset_bytes.checked_add(v.size_bytes) {
-                Some(end) if end <= alloc_size => {}
-                _ => {
-                    return Err(RegistrarError::Invalid(format!(
-                        "layer {layer}: view at offset {} of {} bytes exceeds the {alloc_size}-byte allocation",
-                        v.offset_bytes, v.size_bytes
-                    )))
-                }
-            }
-        }
+    fn check_device(&self, ordinal: i32) -> Result<(), RegistrarError> {
         if ordinal < 0 {
             return Err(RegistrarError::Invalid(format!(
                 "device_id must be >= 0, got {ordinal}"
@@ -544,71 +508,30 @@ impl Registrar for CudaVmmRegistrar {
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let Some(channel) = &self.channel else {
-            return Err(RegistrarError::Precondition(
-                "cuda-vmm registration needs the fd side channel: start the server with \
-                 --fd-socket-path"
-                    .into(),
-            ));
-        };
-        let ImportRequest {
-            instance_id,
-            device_id,
-            payload,
-        } = req;
-        let (alloc_size, views) = match payload {
-            RegistrationPayload::Native {
-                kind: PayloadKind::CudaVmm,
-                alloc_size,
-                views,
-            } => (alloc_size, views),
-            other => {
-                return Err(RegistrarError::Invalid(format!(
-                    "the cuda-vmm registrar cannot import a {} payload",
-                    other.kind().name()
-                )))
-            }
-        };
-        if !pegaflow_api::is_side_channel_safe_id(&instance_id) {
-            return Err(RegistrarError::Invalid(format!(
-                "instance id {instance_id:?} must be 1-128 characters of [A-Za-z0-9_-] for the fd side channel"
-            )));
-        }
+        let import =
+            NativeImport::check("cuda-vmm", PayloadKind::CudaVmm, self.channel.as_ref(), req)?;
+        let (instance_id, device_id, alloc_size) = (
+            import.instance_id.clone(),
+            import.device_id,
+            import.alloc_size,
+        );
         // Everything checkable without the fd comes first; a refusal closes the fd already
         // sent for this key, so the client can resend at once (not after the pending TTL).
-        let checked = self
-            .check_request(device_id, alloc_size, &views)
-            .and_then(|()| {
-                let drv = vmm_driver().map_err(|e| {
-                    RegistrarError::Failed(format!(
-                        "cuda-vmm registration needs a CUDA driver: {e}"
-                    ))
-                })?;
-                if drv.device(device_id).is_none() {
-                    return Err(RegistrarError::Precondition(format!(
-                        "no CUDA device with ordinal {device_id} on this server (it has {})",
-                        drv.devices().len()
-                    )));
-                }
-                let registry = drv.registry().map_err(failed)?;
-                Ok((drv, registry))
-            });
-        let (drv, registry) = match checked {
-            Ok(x) => x,
-            Err(e) => {
-                if channel.discard(&instance_id, device_id) {
-                    tracing::debug!(instance = %instance_id, device_id, "cuda-vmm: discarded the pending fd of a refused registration");
-                }
-                return Err(e);
+        let checked = self.check_device(device_id).and_then(|()| {
+            let drv = vmm_driver().map_err(|e| {
+                RegistrarError::Failed(format!("cuda-vmm registration needs a CUDA driver: {e}"))
+            })?;
+            if drv.device(device_id).is_none() {
+                return Err(RegistrarError::Precondition(format!(
+                    "no CUDA device with ordinal {device_id} on this server (it has {})",
+                    drv.devices().len()
+                )));
             }
-        };
-        let Some(fd) = channel.take(&instance_id, device_id, self.fd_timeout).await else {
-            return Err(RegistrarError::Precondition(format!(
-                "no allocation fd received on the fd side channel for instance {instance_id} \
-                 device {device_id} within {}s",
-                self.fd_timeout.as_secs_f64()
-            )));
-        };
+            let registry = drv.registry().map_err(failed)?;
+            Ok((drv, registry))
+        });
+        let (drv, registry) = checked.map_err(|e| import.refuse(e))?;
+        let fd = import.take_fd("allocation fd", self.fd_timeout).await?;
         let job = ImportJob {
             fd,
             ordinal: device_id,
@@ -626,19 +549,12 @@ impl Registrar for CudaVmmRegistrar {
         tracing::info!(
             instance = %instance_id,
             device_id,
-            layers = views.len(),
+            layers = import.views.len(),
             memory = %memory.describe(),
             "cuda-vmm registration imported"
         );
         let memory: Arc<dyn Registration> = memory;
-        Ok(views
-            .iter()
-            .map(|v| LayerRegion {
-                memory: Arc::clone(&memory),
-                offset: v.offset_bytes,
-                len: v.size_bytes,
-            })
-            .collect())
+        Ok(import.regions(memory))
     }
 }
 
@@ -659,6 +575,7 @@ inventory::submit! {
 mod tests {
     use super::*;
     use pegaflow_runtime::fd_channel::FdChannelLimits;
+    use pegaflow_runtime::{NativeView, RegistrationPayload};
     use std::os::fd::AsFd;
 
     fn view(offset: u64, size: u64) -> NativeView {

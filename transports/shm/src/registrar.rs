@@ -12,8 +12,8 @@ use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::stat::{fstat, SFlag};
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemoryLocation, NativeView, PayloadKind, Registrar, RegistrarError,
-    Registration, RegistrationPayload, RuntimeContext,
+    ImportRequest, LayerRegion, MemoryLocation, NativeImport, PayloadKind, Registrar,
+    RegistrarError, Registration, RuntimeContext,
 };
 use tracing::{debug, warn};
 
@@ -136,37 +136,6 @@ impl Drop for MemfdMapping {
     }
 }
 
-/// Checks every view against the allocation; the message names the layer and the numbers.
-fn check_views(alloc_size: u64, views: &[NativeView]) -> Result<(), RegistrarError> {
-    if views.is_empty() {
-        return Err(RegistrarError::Invalid(
-            "host-memfd registration has no layer views".into(),
-        ));
-    }
-    for (layer, v) in views.iter().enumerate() {
-        if v.size_bytes == 0 {
-            return Err(RegistrarError::Invalid(format!(
-                "layer {layer}: size_bytes must be > 0"
-            )));
-        }
-        if v.block_stride_bytes == 0 {
-            return Err(RegistrarError::Invalid(format!(
-                "layer {layer}: block_stride_bytes must be > 0"
-            )));
-        }
-        match v.offset_bytes.checked_add(v.size_bytes) {
-            Some(end) if end <= alloc_size => {}
-            _ => {
-                return Err(RegistrarError::Invalid(format!(
-                    "layer {layer}: view at offset {} of {} bytes exceeds the {alloc_size}-byte allocation",
-                    v.offset_bytes, v.size_bytes
-                )))
-            }
-        }
-    }
-    Ok(())
-}
-
 /// Checks the memfd, seals it against shrinking where possible, and maps `len` bytes of it.
 fn map_memfd(
     fd: OwnedFd,
@@ -223,84 +192,34 @@ impl Registrar for HostMemfdRegistrar {
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let Some(channel) = &self.channel else {
-            return Err(RegistrarError::Precondition(
-                "host-memfd registration needs the fd side channel: start the server with \
-                 --fd-socket-path"
-                    .into(),
-            ));
-        };
-        let ImportRequest {
-            instance_id,
-            device_id,
-            payload,
-        } = req;
-        let (alloc_size, views) = match payload {
-            RegistrationPayload::Native {
-                kind: PayloadKind::HostMemfd,
-                alloc_size,
-                views,
-            } => (alloc_size, views),
-            other => {
-                return Err(RegistrarError::Invalid(format!(
-                    "the host-memfd registrar cannot import a {} payload",
-                    other.kind().name()
-                )))
-            }
-        };
-        if !pegaflow_api::is_side_channel_safe_id(&instance_id) {
-            return Err(RegistrarError::Invalid(format!(
-                "instance id {instance_id:?} must be 1-128 characters of [A-Za-z0-9_-] for the fd side channel"
-            )));
-        }
-        let checked = if alloc_size == 0 {
-            Err(RegistrarError::Invalid(
-                "host-memfd alloc_size must be > 0".into(),
-            ))
-        } else {
-            check_views(alloc_size, &views).and_then(|()| {
-                usize::try_from(alloc_size).map_err(|_| {
-                    RegistrarError::Invalid(format!(
-                        "alloc_size {alloc_size} does not fit in memory"
-                    ))
-                })
-            })
-        };
-        let len = match checked {
-            Ok(len) => len,
-            Err(e) => {
-                // Close a descriptor already sent for this failed registration, so that the
-                // client can resend under the same key at once.
-                channel.discard(&instance_id, device_id);
-                return Err(e);
-            }
-        };
-        let Some(fd) = channel.take(&instance_id, device_id, self.fd_timeout).await else {
-            return Err(RegistrarError::Precondition(format!(
-                "no memfd received on the fd side channel for instance {instance_id} device {device_id} \
-                 within {}s",
-                self.fd_timeout.as_secs_f64()
-            )));
-        };
-        let who = format!("instance {instance_id} device {device_id}");
+        let import = NativeImport::check(
+            "host-memfd",
+            PayloadKind::HostMemfd,
+            self.channel.as_ref(),
+            req,
+        )?;
+        let alloc_size = import.alloc_size;
+        let len = usize::try_from(alloc_size).map_err(|_| {
+            import.refuse(RegistrarError::Invalid(format!(
+                "alloc_size {alloc_size} does not fit in memory"
+            )))
+        })?;
+        let fd = import.take_fd("memfd", self.fd_timeout).await?;
+        let who = format!(
+            "instance {} device {}",
+            import.instance_id, import.device_id
+        );
         let require_seal = self.require_shrink_seal;
         let map = tokio::task::spawn_blocking(move || map_memfd(fd, len, require_seal, &who))
             .await
             .map_err(|e| RegistrarError::Failed(format!("mapping the memfd failed: {e}")))??;
         let memory: Arc<dyn Registration> = Arc::new(MemfdMapping {
             map,
-            instance_id,
-            device_id,
+            instance_id: import.instance_id.clone(),
+            device_id: import.device_id,
         });
-        debug!(memory = %memory.describe(), layers = views.len(), "host-memfd: imported");
-        Ok(views
-            .iter()
-            .map(|v| LayerRegion {
-                memory: Arc::clone(&memory),
-                offset: v.offset_bytes,
-                len: v.size_bytes,
-            })
-            .collect())
+        debug!(memory = %memory.describe(), layers = import.views.len(), "host-memfd: imported");
+        Ok(import.regions(memory))
     }
 }
 
@@ -309,6 +228,7 @@ mod tests {
     use super::*;
     use pegaflow_api::memfd::HostMemfd;
     use pegaflow_runtime::fd_channel::FdChannelLimits;
+    use pegaflow_runtime::{NativeView, RegistrationPayload};
 
     struct Fixture {
         _dir: tempfile::TempDir,
