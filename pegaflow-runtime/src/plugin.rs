@@ -538,10 +538,9 @@ impl NativeImport {
                     "layer {layer}: block_stride_bytes must be > 0"
                 )));
             }
-            if !v
-                .offset_bytes
+            if v.offset_bytes
                 .checked_add(v.size_bytes)
-                .is_some_and(|end| end <= alloc_size)
+                .is_none_or(|end| end > alloc_size)
             {
                 return Err(RegistrarError::Invalid(format!(
                     "layer {layer}: view at offset {} of {} bytes exceeds the {alloc_size}-byte allocation",
