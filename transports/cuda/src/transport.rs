@@ -341,7 +341,27 @@ impl CudaTransport {
         if let Err(e) = &shared {
             tracing::warn!("cuda transport: copies will fail: {e}");
         }
-        Self { shared }
+        let t = Self { shared };
+        t.warm_up();
+        t
+    }
+
+    /// Starts both copy workers of every served device now, in their own threads, so that the
+    /// first Save or Load does not pay for the context, the streams, the copy kernel's PTX JIT
+    /// and the staging buffers. Never blocks the caller; failures surface on the first copy.
+    fn warm_up(&self) {
+        let Ok(s) = &self.shared else { return };
+        let devices: Vec<i32> = match &s.allowed {
+            Some(v) => v.clone(),
+            None => s.driver.devices().iter().map(|d| d.ordinal).collect(),
+        };
+        for ordinal in devices {
+            for dir in [Direction::ToHost, Direction::ToDevice] {
+                if let Err(e) = self.worker(ordinal, dir) {
+                    tracing::warn!(ordinal, "cuda copy worker not started: {}", e.0);
+                }
+            }
+        }
     }
 
     fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Transport>> {
@@ -570,7 +590,7 @@ impl Worker {
             .as_ref()
             .map(|p| vec![None; p.chunks().len()])
             .unwrap_or_default();
-        Ok(Self {
+        let mut w = Self {
             ordinal,
             dir,
             grid_cap: sm.saturating_mul(cfg.blocks_per_sm).max(1),
@@ -588,7 +608,12 @@ impl Worker {
             plan: StagedPlan::default(),
             descs: Vec::new(),
             desc_ranges: Vec::new(),
-        })
+        };
+        if w.kernel.is_some() {
+            // Allocate the staging buffers up front rather than on the first batch.
+            w.ensure_staging();
+        }
+        Ok(w)
     }
 
     /// Waits for everything enqueued on both streams.
