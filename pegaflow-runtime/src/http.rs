@@ -66,8 +66,13 @@ async fn cleanup_instances(
     }
 }
 
-async fn cleanup_memory(State(s): State<AppState>) -> impl IntoResponse {
-    Json(s.engine.cleanup_memory())
+async fn cleanup_memory(State(s): State<AppState>) -> axum::response::Response {
+    // Freeing and trimming a large pool takes a while: keep it off the executor.
+    let engine = s.engine.clone();
+    match tokio::task::spawn_blocking(move || engine.cleanup_memory()).await {
+        Ok(r) => Json(r).into_response(),
+        Err(e) => (StatusCode::INTERNAL_SERVER_ERROR, e.to_string()).into_response(),
+    }
 }
 
 /// The router; `/metrics` only when `enable_prometheus`.

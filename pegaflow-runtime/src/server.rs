@@ -55,12 +55,33 @@ impl ServerHandle {
         self.shutdown_requested.notified().await;
     }
 
-    /// Stops serving gRPC and HTTP and waits for the servers to finish.
+    /// Stops serving gRPC and HTTP, then unregisters every instance — fence, drain their
+    /// copies, release their registrations — waiting at most `drain_timeout` for that (a wedged
+    /// device must not keep the process from exiting; the OS reclaims what is left).
     pub async fn shutdown(self) {
+        self.shutdown_within(std::time::Duration::from_secs(10))
+            .await
+    }
+
+    /// [`ServerHandle::shutdown`] with an explicit drain timeout.
+    pub async fn shutdown_within(self, drain_timeout: std::time::Duration) {
         self.stop.notify_waiters();
         for t in self.tasks {
             t.abort();
             let _ = t.await;
+        }
+        match tokio::time::timeout(drain_timeout, self.engine.unregister_all()).await {
+            Ok((ids, tensors)) if !ids.is_empty() => {
+                tracing::info!(
+                    instances = ids.len(),
+                    tensors,
+                    "drained and released every instance"
+                )
+            }
+            Ok(_) => {}
+            Err(_) => tracing::warn!(
+                "instances still draining after {drain_timeout:?}; exiting without waiting for them"
+            ),
         }
     }
 }

@@ -76,8 +76,8 @@ async fn endpoints_answer_with_pegaflow_fields() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_and_metrics_answer_while_the_registry_is_wedged() {
-    // Registrations wait (up to 60 s) for side-channel fds that never come: they hold the
-    // registration barrier, so an unregister behind them is wedged too.
+    // Registrations wait (up to 60 s) for side-channel fds that never come: four registry
+    // operations wedged on a 2-worker runtime.
     let srv = TestServer::start_with(ServerOptions::default(), |p| {
         let mut t = toml::Table::new();
         t.insert("fd_timeout_secs".into(), toml::Value::Integer(60));
@@ -96,12 +96,11 @@ async fn health_and_metrics_answer_while_the_registry_is_wedged() {
             .to_request(pb::MemoryKind::HostMemfd, kv.mem.len() as u64);
         stuck.push(tokio::spawn(async move { c.register(req).await }));
     }
-    tokio::time::sleep(Duration::from_millis(200)).await;
-    let mut c = srv.client().await;
-    let unregister = tokio::spawn(async move { c.unregister("wedged-0").await });
-    tokio::time::sleep(Duration::from_millis(800)).await;
-    assert!(!unregister.is_finished(), "the registry is really wedged");
-    assert!(stuck.iter().all(|h| !h.is_finished()));
+    tokio::time::sleep(Duration::from_millis(1000)).await;
+    assert!(
+        stuck.iter().all(|h| !h.is_finished()),
+        "the registrations are really wedged"
+    );
     let a = srv.handle.http_addr;
     for path in ["/health", "/metrics", "/instances"] {
         let t0 = Instant::now();
@@ -119,5 +118,4 @@ async fn health_and_metrics_answer_while_the_registry_is_wedged() {
     for h in stuck {
         h.abort();
     }
-    unregister.abort();
 }

@@ -185,20 +185,33 @@ async fn cancelled_copies_finish_before_their_mapping_is_released() {
     );
     assert_eq!(state.get(), 1, "the drained load completed");
 
-    // 3. A new registration under an id being torn down waits for the teardown, then works.
-    COPY_DELAY_MS.store(300, Ordering::Relaxed);
+    // 3. A registration under an id still being torn down is refused (native clients mint a
+    // fresh id per attempt); once the teardown has released the mapping, the id is free again.
+    COPY_DELAY_MS.store(400, Ordering::Relaxed);
     let mut w = Worker::register(&srv, "reuse", "ns", SHAPE, 0, 1, 0).await;
     let hs2: Vec<Vec<u8>> = (0..2).map(|i| hash_of("r", i)).collect();
     let save = tokio::spawn(async move { w.save(&[0, 1], &hs2).await });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
     let mut c = srv.client().await;
     let unreg = tokio::spawn(async move { c.unregister("reuse").await });
-    tokio::time::sleep(Duration::from_millis(50)).await;
+    tokio::time::sleep(Duration::from_millis(100)).await;
     EVENTS.lock().clear();
-    let again = Worker::register(&srv, "reuse", "ns", SHAPE, 0, 1, 0).await;
-    event("registered again");
+    let kv = KvCache::new(SHAPE);
+    let mut c2 = srv.client().await;
+    let e = c2
+        .register_host_memfd(
+            &srv.socket,
+            &kv.registration("reuse", "ns", 0, 1, 0),
+            &kv.mem,
+        )
+        .await
+        .unwrap_err();
+    assert_eq!(e.code(), Some(Code::FailedPrecondition), "{e}");
+    assert!(e.to_string().contains("still being torn down"), "{e}");
     save.await.unwrap().unwrap();
     unreg.await.unwrap().unwrap();
+    let again = Worker::register(&srv, "reuse", "ns", SHAPE, 0, 1, 0).await;
+    event("registered again");
     let ev = EVENTS.lock().clone();
     assert!(
         position(&ev, "unmap reuse") < position(&ev, "registered again"),

@@ -138,7 +138,9 @@ impl Engine {
         let topo = wl.topology.clone();
         // Resolve load groups to layers and one storage group each.
         let mut seen = HashSet::new();
-        let mut groups: Vec<(Vec<(&str, &WorkerLayer)>, u32)> = Vec::new();
+        // Per load group: its layers with their (slot, offset in the slot), and its storage group.
+        type GroupLayers<'a> = Vec<(&'a str, &'a WorkerLayer, usize, usize)>;
+        let mut groups: Vec<(GroupLayers<'_>, u32)> = Vec::new();
         for (gi, g) in req.groups.iter().enumerate() {
             let mut layers = Vec::new();
             let mut storage: Option<u32> = None;
@@ -162,14 +164,32 @@ impl Engine {
                     )));
                 }
                 storage = Some(l.group);
-                layers.push((name.as_str(), l));
+                let (slot, off) = topo.slot_of(name, w.tp_rank).ok_or_else(|| {
+                    EngineError::invalid(format!(
+                        "layer {name} is not part of instance {}'s sealed topology",
+                        inst.id
+                    ))
+                })?;
+                if topo.layers[name].block_bytes != l.layout.block_bytes() as usize {
+                    return Err(EngineError::invalid(format!(
+                        "layer {name} of device_id {} does not match the instance's block geometry",
+                        req.device_id
+                    )));
+                }
+                layers.push((name.as_str(), l, slot, off));
             }
             groups.push((layers, storage.unwrap_or(0)));
         }
         // Validate every lease before consuming any.
         let mut leases = Vec::with_capacity(req.loads.len());
+        let mut seen_leases = HashSet::new();
         for ll in &req.loads {
             let id = super::parse_lease(&ll.lease)?;
+            if !seen_leases.insert(id) {
+                return Err(EngineError::invalid(
+                    "a lease appears twice in one load (each worker consumes a lease once)",
+                ));
+            }
             let blocks = self.leases.peek(&id, &inst.id)?;
             if ll.block_ids_by_group.len() != groups.len() {
                 return Err(EngineError::invalid(format!(
@@ -199,14 +219,13 @@ impl Engine {
                             b.group
                         )));
                     }
-                    for (name, l) in layers {
+                    for &(name, l, slot, _) in layers {
                         if dst as u64 >= l.layout.num_blocks() {
                             return Err(EngineError::invalid(format!(
                                 "destination block id {dst} out of range for layer {name} ({} blocks)",
                                 l.layout.num_blocks()
                             )));
                         }
-                        let (slot, _) = topo.slot_of(name, w.tp_rank).expect("sealed layer");
                         let ok = b
                             .slots
                             .get(slot)
@@ -234,8 +253,7 @@ impl Engine {
                     let Some(pb::load_block_target::Target::BlockId(dst)) = t.target else {
                         continue;
                     };
-                    for (name, l) in layers {
-                        let (slot, off) = topo.slot_of(name, w.tp_rank).expect("sealed layer");
+                    for &(_, l, slot, off) in layers {
                         push_load_ops(&mut ops, l, dst as u64, &b.slots[slot], off);
                         bytes += l.layout.block_bytes();
                     }

@@ -84,8 +84,9 @@ pub struct Engine {
     leases: LeaseTable,
     metrics: Arc<Metrics>,
     reaper: Reaper,
-    /// Registrations hold the read side; teardowns the write side, so neither crosses the other.
-    barrier: Arc<tokio::sync::RwLock<()>>,
+    /// Ids of instances being torn down: a registration under one is refused (a native client
+    /// mints a fresh id per attempt), so no registration crosses the teardown of its id.
+    closing: Mutex<std::collections::HashSet<Arc<str>>>,
     /// Saves hold the read side while running; Flush takes the write side.
     flush_barrier: tokio::sync::RwLock<()>,
     fd_channel: Option<Arc<FdChannel>>,
@@ -133,7 +134,7 @@ impl Engine {
             inflight: Mutex::new(HashMap::new()),
             metrics: parts.metrics,
             reaper: Reaper::start(256),
-            barrier: Arc::new(tokio::sync::RwLock::new(())),
+            closing: Mutex::new(std::collections::HashSet::new()),
             flush_barrier: tokio::sync::RwLock::new(()),
             fd_channel: parts.fd_channel,
             fd_stats_seen: Mutex::new(Default::default()),
@@ -320,17 +321,28 @@ impl Engine {
 
     /// [`Engine::unregister`], returning how many layer registrations (tensors) it released.
     pub async fn unregister_counting(&self, id: &str) -> EngineResult<usize> {
-        let _barrier = self.barrier.write().await;
-        let inst = self
-            .instances
-            .write()
-            .remove(id)
-            .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))?;
+        let inst = {
+            let mut map = self.instances.write();
+            let inst = map
+                .remove(id)
+                .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))?;
+            self.fence(&inst);
+            inst
+        };
         Ok(self.teardown(inst).await)
     }
 
-    async fn teardown(&self, inst: Arc<Instance>) -> usize {
+    /// Marks an instance closing (under the instances lock, so no registration can reserve on
+    /// it in between): new work and new workers are refused from here on.
+    fn fence(&self, inst: &Arc<Instance>) {
+        self.closing.lock().insert(inst.id.clone());
         inst.state.lock().closing = true;
+    }
+
+    /// Drains a fenced instance's copies, drops its leases and releases its registrations on the
+    /// reaper thread. A registration importing meanwhile finds the instance closing at commit
+    /// and releases its own memory.
+    async fn teardown(&self, inst: Arc<Instance>) -> usize {
         // Drain: waits for every Save/Load holding the gate.
         let drained = inst.gate.write().await;
         let workers = std::mem::take(&mut inst.state.lock().workers);
@@ -339,6 +351,7 @@ impl Engine {
         let tensors: usize = workers.values().map(|w| w.layers.len()).sum();
         self.reaper.release(workers).await;
         drop(drained);
+        self.closing.lock().remove(&inst.id);
         tracing::info!(instance = %inst.id, workers = n, tensors, leases = dropped, "instance unregistered");
         self.update_gauges();
         tensors
@@ -347,8 +360,14 @@ impl Engine {
     /// Unregisters every instance (HTTP cleanup, shutdown). Returns their ids and how many
     /// layer registrations (tensors) were released.
     pub async fn unregister_all(&self) -> (Vec<String>, usize) {
-        let _barrier = self.barrier.write().await;
-        let all: Vec<Arc<Instance>> = self.instances.write().drain().map(|(_, v)| v).collect();
+        let all: Vec<Arc<Instance>> = {
+            let mut map = self.instances.write();
+            let all: Vec<Arc<Instance>> = map.drain().map(|(_, v)| v).collect();
+            for inst in &all {
+                self.fence(inst);
+            }
+            all
+        };
         let mut ids = Vec::new();
         let mut tensors = 0;
         for inst in all {

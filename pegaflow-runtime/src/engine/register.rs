@@ -219,7 +219,6 @@ impl Engine {
                 return Err(e);
             }
         };
-        let _barrier = self.barrier.read().await;
         let kind = spec.payload.kind();
         let native = kind != PayloadKind::CudaIpcWrapper;
         // A refused reservation (e.g. the device is already registering) leaves the side
@@ -228,17 +227,19 @@ impl Engine {
         let result = self.register_worker(&inst, &req, spec).await;
         if let Err(e) = &result {
             self.discard_pending_fd(&req);
-            let remove = {
-                let mut st = inst.state.lock();
-                st.importing.remove(&req.device_id);
-                st.workers.is_empty() && st.importing.is_empty()
-            };
-            if remove {
-                let mut map = self.instances.write();
-                if map.get(&*inst.id).is_some_and(|i| Arc::ptr_eq(i, &inst)) {
-                    map.remove(&*inst.id);
-                }
+            // Map lock first, then the instance's state (the order `reserve` uses), so no
+            // registration can reserve on this instance between the check and the removal.
+            let mut map = self.instances.write();
+            let mut st = inst.state.lock();
+            st.importing.remove(&req.device_id);
+            if st.workers.is_empty()
+                && st.importing.is_empty()
+                && map.get(&*inst.id).is_some_and(|i| Arc::ptr_eq(i, &inst))
+            {
+                map.remove(&*inst.id);
             }
+            drop(st);
+            drop(map);
             tracing::warn!(instance = %req.instance_id, device = req.device_id, error = %e, "registration rejected");
         }
         self.update_gauges();
@@ -266,6 +267,12 @@ impl Engine {
         transfer_mode: TransferMode,
     ) -> EngineResult<Arc<Instance>> {
         let mut map = self.instances.write();
+        if self.closing.lock().contains(req.instance_id.as_str()) {
+            return Err(EngineError::precondition(format!(
+                "instance {} is still being torn down; register under a fresh instance id",
+                req.instance_id
+            )));
+        }
         let inst = match map.get(req.instance_id.as_str()) {
             Some(i) => {
                 if i.tp_size != req.tp_size
@@ -327,7 +334,9 @@ impl Engine {
                 req.device_id, inst.id
             )));
         }
-        if st.topology.is_some() {
+        if st.topology.is_some()
+            || st.workers.len() + st.importing.len() >= inst.world_size as usize
+        {
             return Err(EngineError::precondition(format!(
                 "instance {} is already fully registered ({} workers); device {} cannot join",
                 inst.id, inst.world_size, req.device_id
@@ -463,20 +472,38 @@ impl Engine {
         let rejected = {
             let mut st = inst.state.lock();
             st.importing.remove(&device);
-            st.workers.insert(device, worker.clone());
-            if st.workers.len() as u32 == inst.world_size {
-                match Topology::seal(&st.workers, inst.tp_size, inst.page_first) {
-                    Ok(t) => {
-                        st.topology = Some(Arc::new(t));
-                        None
-                    }
-                    Err(e) => {
-                        let w = st.workers.remove(&device);
-                        Some((e, w))
-                    }
-                }
+            if st.closing {
+                Some((
+                    EngineError::precondition(format!(
+                        "instance {} was unregistered while device {device} was registering",
+                        inst.id
+                    )),
+                    Some(worker.clone()),
+                ))
+            } else if st.topology.is_some() || st.workers.len() >= inst.world_size as usize {
+                Some((
+                    EngineError::precondition(format!(
+                        "instance {} is already fully registered ({} workers); device {device} cannot join",
+                        inst.id, inst.world_size
+                    )),
+                    Some(worker.clone()),
+                ))
             } else {
-                None
+                st.workers.insert(device, worker.clone());
+                if st.workers.len() as u32 == inst.world_size {
+                    match Topology::seal(&st.workers, inst.tp_size, inst.page_first) {
+                        Ok(t) => {
+                            st.topology = Some(Arc::new(t));
+                            None
+                        }
+                        Err(e) => {
+                            let w = st.workers.remove(&device);
+                            Some((e, w))
+                        }
+                    }
+                } else {
+                    None
+                }
             }
         };
         if let Some((e, w)) = rejected {

@@ -15,6 +15,10 @@ use crate::buffer::HostBuffer;
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
+/// Longest block hash accepted, in bytes (content hashes are 8–64 bytes in practice; the cap
+/// keeps index keys from growing the heap outside the pool's accounting).
+pub const MAX_HASH_BYTES: usize = 1024;
+
 /// One block of a Save request: which slots it brings and where they go in its buffer.
 struct BlockPlan<'a> {
     group: u32,
@@ -73,6 +77,13 @@ impl Engine {
             )));
         }
         for s in &req.saves {
+            if let Some(h) = s.block_hashes.iter().find(|h| h.len() > MAX_HASH_BYTES) {
+                return Err(EngineError::invalid(format!(
+                    "layer {}: a block hash of {} bytes exceeds the {MAX_HASH_BYTES}-byte limit",
+                    s.layer_name,
+                    h.len()
+                )));
+            }
             if s.block_ids.len() != s.block_hashes.len() {
                 return Err(EngineError::invalid(format!(
                     "layer {}: {} block_ids but {} block_hashes",
@@ -124,7 +135,19 @@ impl Engine {
                     s.layer_name
                 )));
             }
-            layers.push(layer);
+            let (slot, page_off) = topo.slot_of(&s.layer_name, w.tp_rank).ok_or_else(|| {
+                EngineError::invalid(format!(
+                    "layer {} is not part of instance {}'s sealed topology",
+                    s.layer_name, inst.id
+                ))
+            })?;
+            if topo.layers[&s.layer_name].block_bytes != layer.layout.block_bytes() as usize {
+                return Err(EngineError::invalid(format!(
+                    "layer {} of device_id {} does not match the instance's block geometry",
+                    s.layer_name, req.device_id
+                )));
+            }
+            layers.push((layer, slot, page_off));
         }
         if topo.page_first {
             // Every layer of the worker's shard, with identical ids and hashes.
@@ -149,10 +172,7 @@ impl Engine {
         // (group, hash list, plan index per position) of the previous layer.
         type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<usize>>);
         let mut prev: Option<Positions<'_>> = None;
-        for (s, layer) in saves.iter().zip(&layers) {
-            let (slot, page_off) = topo
-                .slot_of(&s.layer_name, w.tp_rank)
-                .expect("registered layer is in the sealed topology");
+        for (s, &(layer, slot, page_off)) in saves.iter().zip(&layers) {
             let block_bytes = layer.layout.block_bytes() as usize;
             let reuse = prev
                 .as_ref()
@@ -191,14 +211,18 @@ impl Engine {
                 let p = &mut plans[idx];
                 if topo.page_first {
                     if p.slots.is_empty() {
-                        let page = topo.slot_bytes(layer.group, slot).expect("page exists");
+                        let Some(page) = topo.slot_bytes(layer.group, slot) else {
+                            return Err(EngineError::internal(format!(
+                                "no page {slot} in the sealed topology"
+                            )));
+                        };
                         p.slots.push((slot, 0, page));
                         p.len = page;
                     }
                     // Parts of one layer are pushed together: a repeat is the same hash twice.
                     if p.parts
                         .last()
-                        .is_some_and(|(l, _, _)| std::ptr::eq(*l, *layer))
+                        .is_some_and(|(l, _, _)| std::ptr::eq(*l, layer))
                     {
                         continue;
                     }
@@ -238,7 +262,6 @@ impl Engine {
         let transport = w.transport.clone();
         let keep = (bufs.clone(), wl.worker.clone());
         let r = Self::run_copy(transport, batch, keep).await;
-        drop(wl);
         if let Err(e) = r {
             self.metrics
                 .transfer_failures
@@ -258,6 +281,11 @@ impl Engine {
             .save_duration
             .observe(t0.elapsed().as_secs_f64());
         self.seal(&inst.namespace, &topo.groups, plans, bufs);
+        // The gate guard goes last: teardown may only release the worker once nothing here
+        // refers to it.
+        drop(layers);
+        drop(w);
+        drop(wl);
         self.update_gauges();
         tracing::debug!(instance = %inst.id, total_us = t_rpc.elapsed().as_micros() as u64, "save done");
         Ok(())
