@@ -66,9 +66,20 @@ impl ServerHandle {
     /// [`ServerHandle::shutdown`] with an explicit drain timeout.
     pub async fn shutdown_within(self, drain_timeout: std::time::Duration) {
         self.stop.notify_waiters();
-        for t in self.tasks {
-            t.abort();
-            let _ = t.await;
+        // The first task is the housekeeping loop; the others are the gRPC and HTTP servers,
+        // which finish in-flight requests (a Shutdown RPC's own answer among them) before they
+        // stop. Open Session streams never end by themselves: give the servers a moment, then
+        // cut what is left.
+        let mut tasks = self.tasks.into_iter();
+        if let Some(gc) = tasks.next() {
+            gc.abort();
+        }
+        let grace = tokio::time::Instant::now() + std::time::Duration::from_secs(2);
+        for mut t in tasks {
+            if tokio::time::timeout_at(grace, &mut t).await.is_err() {
+                t.abort();
+                let _ = t.await;
+            }
         }
         match tokio::time::timeout(drain_timeout, self.engine.unregister_all()).await {
             Ok((ids, tensors)) if !ids.is_empty() => {
