@@ -14,7 +14,7 @@ use std::time::{Duration, Instant};
 
 use anyhow::Context;
 use indicatif::{ProgressBar, ProgressStyle};
-use pegaflow_api::client::{EngineClient, QueryOutcome};
+use pegaflow_api::client::{single_group_load, EngineClient, LoadCompletion, QueryOutcome};
 use pegaflow_api::load_state::{LoadState, LOAD_PENDING, LOAD_SUCCESS};
 use pegaflow_proto as pb;
 use tokio::runtime::Handle;
@@ -119,27 +119,15 @@ impl Client {
     }
 
     fn load_request(&self, lease: &[u8], targets: &[u32]) -> pb::LoadRequest {
-        pb::LoadRequest {
-            instance_id: self.instance_id.clone(),
-            tp_rank: 0,
-            device_id: 0,
-            load_state_shm: self.state.name().into(),
-            groups: vec![pb::LoadGroup {
-                layer_names: (0..self.kv.layers()).map(layer_name).collect(),
-            }],
-            loads: vec![pb::LeaseLoad {
-                lease: lease.to_vec(),
-                block_ids_by_group: vec![pb::LoadBlockIds {
-                    targets: targets
-                        .iter()
-                        .map(|&b| pb::LoadBlockTarget {
-                            target: Some(pb::load_block_target::Target::BlockId(b)),
-                        })
-                        .collect(),
-                }],
-            }],
-            wait_for_completion: false,
-        }
+        single_group_load(
+            &self.instance_id,
+            0,
+            0,
+            (0..self.kv.layers()).map(layer_name).collect(),
+            lease,
+            targets.iter().map(|&b| Some(b)),
+            LoadCompletion::StateWord(self.state.name()),
+        )
     }
 
     /// Waits for the load-state word to leave 0; returns the final state.

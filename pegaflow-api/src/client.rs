@@ -123,6 +123,52 @@ pub enum QueryOutcome {
     },
 }
 
+/// How a Load reports its completion.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadCompletion<'a> {
+    /// Through the load-state word in the named shared-memory object (the Python client's
+    /// `PyLoadState`); the RPC returns once the copy is submitted.
+    StateWord(&'a str),
+    /// The RPC returns when the copy is done (`wait_for_completion`, native clients).
+    Wait,
+}
+
+/// A Load of one lease into one group of layers: the lease's block `i` goes to `targets[i]` in
+/// every layer of `layer_names`; `None` skips that block.
+pub fn single_group_load(
+    instance_id: &str,
+    tp_rank: u32,
+    device_id: i32,
+    layer_names: Vec<String>,
+    lease: &[u8],
+    targets: impl IntoIterator<Item = Option<u32>>,
+    completion: LoadCompletion<'_>,
+) -> pb::LoadRequest {
+    let (load_state_shm, wait_for_completion) = match completion {
+        LoadCompletion::StateWord(name) => (name.to_string(), false),
+        LoadCompletion::Wait => (String::new(), true),
+    };
+    pb::LoadRequest {
+        instance_id: instance_id.to_string(),
+        tp_rank,
+        device_id,
+        load_state_shm,
+        groups: vec![pb::LoadGroup { layer_names }],
+        loads: vec![pb::LeaseLoad {
+            lease: lease.to_vec(),
+            block_ids_by_group: vec![pb::LoadBlockIds {
+                targets: targets
+                    .into_iter()
+                    .map(|t| pb::LoadBlockTarget {
+                        target: t.map(pb::load_block_target::Target::BlockId),
+                    })
+                    .collect(),
+            }],
+        }],
+        wait_for_completion,
+    }
+}
+
 fn check(rpc: &'static str, st: Option<pb::ResponseStatus>) -> Result<String, ApiError> {
     match st {
         Some(s) if s.ok => Ok(s.message),

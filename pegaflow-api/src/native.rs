@@ -127,27 +127,15 @@ impl NativeEngine {
         lease: &[u8],
         targets: &[u32],
     ) -> Result<(), ApiError> {
-        let req = pb::LoadRequest {
-            instance_id: self.instance_id.clone(),
-            tp_rank: 0,
-            device_id: self.device_id,
-            load_state_shm: String::new(),
-            groups: vec![pb::LoadGroup {
-                layer_names: layers.iter().map(|s| s.to_string()).collect(),
-            }],
-            loads: vec![pb::LeaseLoad {
-                lease: lease.to_vec(),
-                block_ids_by_group: vec![pb::LoadBlockIds {
-                    targets: targets
-                        .iter()
-                        .map(|&b| pb::LoadBlockTarget {
-                            target: Some(pb::load_block_target::Target::BlockId(b)),
-                        })
-                        .collect(),
-                }],
-            }],
-            wait_for_completion: true,
-        };
+        let req = crate::client::single_group_load(
+            &self.instance_id,
+            0,
+            self.device_id,
+            layers.iter().map(|s| s.to_string()).collect(),
+            lease,
+            targets.iter().map(|&b| Some(b)),
+            crate::client::LoadCompletion::Wait,
+        );
         self.client.load(req).await
     }
 

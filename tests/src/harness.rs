@@ -4,7 +4,9 @@
 use std::path::PathBuf;
 use std::sync::Arc;
 
-use pegaflow_api::client::{EngineClient, NativeLayer, NativeRegistration};
+use pegaflow_api::client::{
+    single_group_load, EngineClient, LoadCompletion, NativeLayer, NativeRegistration,
+};
 use pegaflow_api::load_state::LoadState;
 use pegaflow_api::memfd::HostMemfd;
 use pegaflow_proto as pb;
@@ -347,27 +349,15 @@ impl Worker {
         lease: &[u8],
         targets: &[Option<u32>],
     ) -> pb::LoadRequest {
-        pb::LoadRequest {
-            instance_id: self.instance_id.clone(),
-            tp_rank: self.tp_rank,
-            device_id: self.device_id,
-            load_state_shm: state.name().into(),
-            groups: vec![pb::LoadGroup {
-                layer_names: (0..self.kv.shape.layers).map(KvShape::layer_name).collect(),
-            }],
-            loads: vec![pb::LeaseLoad {
-                lease: lease.to_vec(),
-                block_ids_by_group: vec![pb::LoadBlockIds {
-                    targets: targets
-                        .iter()
-                        .map(|t| pb::LoadBlockTarget {
-                            target: t.map(pb::load_block_target::Target::BlockId),
-                        })
-                        .collect(),
-                }],
-            }],
-            wait_for_completion: false,
-        }
+        single_group_load(
+            &self.instance_id,
+            self.tp_rank,
+            self.device_id,
+            (0..self.kv.shape.layers).map(KvShape::layer_name).collect(),
+            lease,
+            targets.iter().copied(),
+            LoadCompletion::StateWord(state.name()),
+        )
     }
 
     /// Loads `lease` into `targets` and waits for the load state; returns the final state.

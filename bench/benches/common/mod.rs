@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use pegaflow_api::client::{EngineClient, QueryOutcome};
+use pegaflow_api::client::{single_group_load, EngineClient, LoadCompletion, QueryOutcome};
 use pegaflow_bench::server::{layer_name, InProcessServer, KvCache};
 use pegaflow_proto as pb;
 use pegaflow_runtime::engine::Engine;
@@ -79,27 +79,15 @@ impl Fixture {
 
     /// The Load request of `lease` into cache blocks `targets`, returning when copied.
     pub fn load_request(&self, lease: &[u8], targets: &[u32]) -> pb::LoadRequest {
-        pb::LoadRequest {
-            instance_id: self.instance.clone(),
-            tp_rank: 0,
-            device_id: 0,
-            load_state_shm: String::new(),
-            groups: vec![pb::LoadGroup {
-                layer_names: (0..self.kv.layers()).map(layer_name).collect(),
-            }],
-            loads: vec![pb::LeaseLoad {
-                lease: lease.to_vec(),
-                block_ids_by_group: vec![pb::LoadBlockIds {
-                    targets: targets
-                        .iter()
-                        .map(|&b| pb::LoadBlockTarget {
-                            target: Some(pb::load_block_target::Target::BlockId(b)),
-                        })
-                        .collect(),
-                }],
-            }],
-            wait_for_completion: true,
-        }
+        single_group_load(
+            &self.instance,
+            0,
+            0,
+            (0..self.kv.layers()).map(layer_name).collect(),
+            lease,
+            targets.iter().map(|&b| Some(b)),
+            LoadCompletion::Wait,
+        )
     }
 }
 

@@ -9,7 +9,7 @@
 use std::process::{Child, Command, Stdio};
 use std::time::{Duration, Instant};
 
-use pegaflow_api::client::{EngineClient, QueryOutcome};
+use pegaflow_api::client::{single_group_load, EngineClient, LoadCompletion, QueryOutcome};
 use pegaflow_api::load_state::LoadState;
 use pegaflow_proto as pb;
 use pegaflow_transport_cuda::driver;
@@ -224,27 +224,15 @@ async fn load(
     targets: &[u32],
 ) -> i64 {
     let state = LoadState::create().unwrap();
-    let req = pb::LoadRequest {
-        instance_id: id.into(),
+    let req = single_group_load(
+        id,
         tp_rank,
         device_id,
-        load_state_shm: state.name().into(),
-        groups: vec![pb::LoadGroup {
-            layer_names: names(),
-        }],
-        loads: vec![pb::LeaseLoad {
-            lease: lease.to_vec(),
-            block_ids_by_group: vec![pb::LoadBlockIds {
-                targets: targets
-                    .iter()
-                    .map(|&b| pb::LoadBlockTarget {
-                        target: Some(pb::load_block_target::Target::BlockId(b)),
-                    })
-                    .collect(),
-            }],
-        }],
-        wait_for_completion: false,
-    };
+        names(),
+        lease,
+        targets.iter().map(|&b| Some(b)),
+        LoadCompletion::StateWord(state.name()),
+    );
     c.load(req).await.unwrap();
     state.wait(Duration::from_secs(30))
 }
