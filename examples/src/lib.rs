@@ -3,16 +3,21 @@
 //! linked into its own server binary (`src/bin/pegaflow-server-verify.rs`) — no edit to the
 //! runtime.
 //!
-//! The backend is `memcpy-verify`: a host transport that copies like `memcpy` and then reads
-//! the destination back and compares it with the source, failing the batch on any difference.
-//! An operator can run it in staging to rule out the data path when debugging corruption.
+//! Two backends:
+//! - `memcpy-verify`: a host transport that copies like `memcpy` and then reads the
+//!   destination back and compares it with the source, failing the batch on any difference.
+//!   An operator can run it in staging to rule out the data path when debugging corruption.
+//! - `heap-store` ([`heap_store`]): a key-addressed tier below host DRAM in this process's
+//!   heap, with its own config struct; `pipelines/two-tier.toml` runs it under `dram`.
+
+pub mod heap_store;
 
 use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    CopyBatch, Direction, MemoryLocation, PluginOption, RuntimeContext, Transport, TransportError,
-    TransportFactory,
+    CopyBatch, Direction, HostRegion, MemorySpace, PluginOption, RuntimeContext, Transport,
+    TransportError, TransportFactory,
 };
 
 /// The verifying host transport.
@@ -25,8 +30,12 @@ impl Transport for VerifyingMemcpy {
         "memcpy-verify"
     }
 
-    fn can_address(&self, location: MemoryLocation) -> bool {
-        location == MemoryLocation::Host
+    fn can_address(&self, space: MemorySpace) -> bool {
+        space.is_host()
+    }
+
+    fn install_host_memory(&self, _regions: &[HostRegion]) -> Result<(), TransportError> {
+        Ok(())
     }
 
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {

@@ -172,6 +172,10 @@ impl Default for EngineConfig {
 pub struct PluginConfig {
     /// The plugin kind, e.g. `dram`.
     pub kind: String,
+    /// Layers wrapping the backend, innermost first: names, or `{ kind = "name", ... }`
+    /// tables with the layer's settings (`--list-plugins` lists them).
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub layers: Vec<toml::Value>,
     /// Every other key of the table, handed to the plugin's factory.
     #[serde(flatten)]
     pub settings: toml::Table,
@@ -190,6 +194,9 @@ pub struct PipelineConfig {
     /// `[engine]`.
     #[serde(default)]
     pub engine: EngineConfig,
+    /// `[store]`: the tier stack (demotion queue, promotion deadline).
+    #[serde(default)]
+    pub store: crate::store::StoreConfig,
     /// `[[tier]]` entries, landing tier first.
     #[serde(default, rename = "tier")]
     pub tiers: Vec<PluginConfig>,
@@ -281,7 +288,9 @@ pub struct Cli {
     /// Back the pinned pool with huge pages.
     #[arg(long)]
     pub use_hugepages: bool,
-    /// Enable TinyLFU admission in front of the DRAM tier.
+    /// Admission before writes to tiers below DRAM: adds the `admission` layer (a block is
+    /// written only on its second sighting) to every lower tier of the pipeline. Needs a
+    /// tier below DRAM.
     #[arg(long)]
     pub enable_lfu_admission: bool,
     /// Do not place pools and copy threads on the GPU's NUMA node.
@@ -440,6 +449,21 @@ impl Cli {
         if let Some(b) = self.python_registry {
             p.server.python_registry = b;
         }
+        if self.enable_lfu_admission {
+            if p.tiers.len() < 2 {
+                bail!(
+                    "--enable-lfu-admission filters writes to tiers below DRAM, and this pipeline has none: add a [[tier]] below the dram tier"
+                );
+            }
+            for t in p.tiers.iter_mut().skip(1) {
+                let has = t.layers.iter().any(|l| {
+                    crate::plugin::parse_layer_entry(l).is_ok_and(|(n, _)| n == "admission")
+                });
+                if !has {
+                    t.layers.push(toml::Value::String("admission".into()));
+                }
+            }
+        }
         tracing_subscriber::EnvFilter::try_new(&p.server.log_level)
             .map_err(|e| anyhow::anyhow!("invalid log level {:?}: {e}", p.server.log_level))?;
         Ok(p)
@@ -480,9 +504,6 @@ impl Cli {
                 "--metaserver-addr",
                 "the MetaServer client (cross-node directory)",
             )?;
-        }
-        if self.enable_lfu_admission {
-            missing("--enable-lfu-admission", "TinyLFU admission")?;
         }
         if self.use_hugepages {
             missing("--use-hugepages", "huge-page backing of the DRAM tier")?;

@@ -18,8 +18,12 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
+use crate::block::{BlockKey, BlockShape};
 use crate::buffer::HostBuffer;
-use crate::plugin::{CopyBatch, MemoryLocation, Tier, TierCapabilities, Transport, TransportError};
+use crate::plugin::{
+    CopyBatch, HostPool, HostRegion, MemorySpace, Recovered, Tier, TierCapabilities, TierError,
+    TierGet, TierPut, Transport, TransportError,
+};
 
 /// A shared switchboard of faults; clone the `Arc` into the test and into one or more wrappers.
 ///
@@ -116,12 +120,92 @@ impl FaultControl {
     }
 }
 
-/// A [`Tier`] that forwards to `inner` but fails allocations as its [`FaultControl`] says.
+/// A [`HostPool`] that forwards to `inner` but fails allocations as its [`FaultControl`] says.
 ///
-/// An injected failure returns `None` from [`Tier::allocate`] / [`Tier::allocate_batch`]
-/// without touching the inner tier (so its used bytes do not change), exactly as a full tier
-/// would. Everything else — kind, capabilities, capacity, used bytes, footprint, backing
-/// ranges, trim — is the inner tier's.
+/// An injected failure returns `None` from [`HostPool::allocate_batch`] without touching the
+/// inner pool (so its used bytes do not change), exactly as a full pool would. Everything
+/// else is the inner pool's.
+pub struct FaultyPool {
+    inner: Arc<dyn HostPool>,
+    control: Arc<FaultControl>,
+}
+
+impl std::fmt::Debug for FaultyPool {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FaultyPool")
+            .field("inner", &self.inner.kind())
+            .field("control", &self.control)
+            .finish()
+    }
+}
+
+impl FaultyPool {
+    /// Wraps `inner` with a fresh control.
+    pub fn new(inner: Arc<dyn HostPool>) -> Self {
+        Self::with_control(inner, FaultControl::new())
+    }
+
+    /// Wraps `inner`, driven by `control` (which may be shared with other wrappers).
+    pub fn with_control(inner: Arc<dyn HostPool>, control: Arc<FaultControl>) -> Self {
+        Self { inner, control }
+    }
+
+    /// The control driving this wrapper.
+    pub fn control(&self) -> Arc<FaultControl> {
+        self.control.clone()
+    }
+
+    /// The wrapped pool.
+    pub fn inner(&self) -> &Arc<dyn HostPool> {
+        &self.inner
+    }
+}
+
+impl HostPool for FaultyPool {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+
+    fn metric_label(&self) -> &'static str {
+        self.inner.metric_label()
+    }
+
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+
+    fn used_bytes(&self) -> u64 {
+        self.inner.used_bytes()
+    }
+
+    fn free_bytes(&self) -> u64 {
+        self.inner.free_bytes()
+    }
+
+    fn footprint_bytes(&self, len: usize) -> u64 {
+        self.inner.footprint_bytes(len)
+    }
+
+    fn allocate_batch(&self, lens: &[usize], align: usize) -> Option<Vec<HostBuffer>> {
+        if self.control.on_call() {
+            return None;
+        }
+        self.inner.allocate_batch(lens, align)
+    }
+
+    fn regions(&self) -> Vec<HostRegion> {
+        self.inner.regions()
+    }
+
+    fn trim(&self) {
+        self.inner.trim();
+    }
+}
+
+/// A key-addressed [`Tier`] that forwards to `inner` but fails operations as its
+/// [`FaultControl`] says: each lookup, put, get, remove and flush call is one gated call; an
+/// injected failure returns [`TierError::Unavailable`] (for every block of a batch) without
+/// calling the inner tier, so nothing is written and no byte lands in a destination.
 pub struct FaultyTier {
     inner: Arc<dyn Tier>,
     control: Arc<FaultControl>,
@@ -137,12 +221,12 @@ impl std::fmt::Debug for FaultyTier {
 }
 
 impl FaultyTier {
-    /// Wraps `inner` with a fresh control (get it with [`FaultyTier::control`]).
+    /// Wraps `inner` with a fresh control.
     pub fn new(inner: Arc<dyn Tier>) -> Self {
         Self::with_control(inner, FaultControl::new())
     }
 
-    /// Wraps `inner`, driven by `control` (which may be shared with other wrappers).
+    /// Wraps `inner`, driven by `control`.
     pub fn with_control(inner: Arc<dyn Tier>, control: Arc<FaultControl>) -> Self {
         Self { inner, control }
     }
@@ -156,8 +240,24 @@ impl FaultyTier {
     pub fn inner(&self) -> &Arc<dyn Tier> {
         &self.inner
     }
+
+    async fn gate(&self, op: &str) -> Result<(), TierError> {
+        let fail = self.control.on_call();
+        let delay = self.control.delay();
+        if !delay.is_zero() {
+            tokio::time::sleep(delay).await;
+        }
+        if fail {
+            Err(TierError::Unavailable(format!(
+                "injected fault: {op} failed"
+            )))
+        } else {
+            Ok(())
+        }
+    }
 }
 
+#[async_trait]
 impl Tier for FaultyTier {
     fn kind(&self) -> &'static str {
         self.inner.kind()
@@ -175,30 +275,37 @@ impl Tier for FaultyTier {
         self.inner.used_bytes()
     }
 
-    fn footprint_bytes(&self, len: usize) -> u64 {
-        self.inner.footprint_bytes(len)
+    async fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<BlockShape>, TierError> {
+        self.gate("lookup").await?;
+        self.inner.lookup(keys).await
     }
 
-    fn allocate(&self, len: usize) -> Option<HostBuffer> {
-        if self.control.on_call() {
-            return None;
+    async fn put(&self, blocks: Vec<TierPut>) -> Vec<Result<(), TierError>> {
+        match self.gate("put").await {
+            Ok(()) => self.inner.put(blocks).await,
+            Err(e) => vec![Err(e); blocks.len()],
         }
-        self.inner.allocate(len)
     }
 
-    fn allocate_batch(&self, lens: &[usize]) -> Option<Vec<HostBuffer>> {
-        if self.control.on_call() {
-            return None;
+    async fn get(&self, reads: Vec<TierGet>) -> Vec<Result<(), TierError>> {
+        match self.gate("get").await {
+            Ok(()) => self.inner.get(reads).await,
+            Err(e) => vec![Err(e); reads.len()],
         }
-        self.inner.allocate_batch(lens)
     }
 
-    fn backing_ranges(&self) -> Vec<(usize, usize)> {
-        self.inner.backing_ranges()
+    async fn remove(&self, keys: &[BlockKey]) -> Result<u64, TierError> {
+        self.gate("remove").await?;
+        self.inner.remove(keys).await
     }
 
-    fn trim(&self) {
-        self.inner.trim();
+    async fn flush(&self) -> Result<(), TierError> {
+        self.gate("flush").await?;
+        self.inner.flush().await
+    }
+
+    async fn recover(&self) -> Result<Recovered, TierError> {
+        self.inner.recover().await
     }
 }
 
@@ -250,8 +357,12 @@ impl Transport for FaultyTransport {
         self.inner.kind()
     }
 
-    fn can_address(&self, location: MemoryLocation) -> bool {
-        self.inner.can_address(location)
+    fn can_address(&self, space: MemorySpace) -> bool {
+        self.inner.can_address(space)
+    }
+
+    fn install_host_memory(&self, regions: &[HostRegion]) -> Result<(), TransportError> {
+        self.inner.install_host_memory(regions)
     }
 
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
@@ -290,7 +401,7 @@ mod tests {
     use crate::buffer::{Extent, HostMemory};
     use crate::plugin::{CopyOp, Direction};
 
-    /// A heap-backed tier: each allocation is its own boxed slice.
+    /// A heap-backed pool: each allocation is its own boxed slice.
     #[derive(Default)]
     struct HeapTier {
         mem: Arc<HeapMemory>,
@@ -312,15 +423,18 @@ mod tests {
         }
     }
 
-    impl Tier for HeapTier {
+    impl HeapTier {
+        fn allocate(&self, len: usize) -> Option<HostBuffer> {
+            self.allocate_batch(&[len], 1)?.pop()
+        }
+    }
+
+    impl HostPool for HeapTier {
         fn kind(&self) -> &'static str {
             "heap"
         }
-        fn capabilities(&self) -> TierCapabilities {
-            TierCapabilities {
-                host_addressable: true,
-                ..TierCapabilities::default()
-            }
+        fn metric_label(&self) -> &'static str {
+            "heap"
         }
         fn capacity_bytes(&self) -> u64 {
             1 << 20
@@ -328,18 +442,32 @@ mod tests {
         fn used_bytes(&self) -> u64 {
             self.mem.used.load(Ordering::SeqCst) as u64
         }
-        fn allocate(&self, len: usize) -> Option<HostBuffer> {
+        fn free_bytes(&self) -> u64 {
+            self.capacity_bytes() - self.used_bytes()
+        }
+        fn footprint_bytes(&self, len: usize) -> u64 {
+            len as u64
+        }
+        fn regions(&self) -> Vec<HostRegion> {
+            vec![HostRegion {
+                addr: 4096,
+                len: 8192,
+                owner: self.mem.clone(),
+            }]
+        }
+        fn trim(&self) {}
+        fn allocate_batch(&self, lens: &[usize], _align: usize) -> Option<Vec<HostBuffer>> {
+            Some(lens.iter().map(|&l| self.one(l)).collect())
+        }
+    }
+
+    impl HeapTier {
+        fn one(&self, len: usize) -> HostBuffer {
             let mut b = vec![0u8; len].into_boxed_slice();
             let addr = b.as_mut_ptr() as usize;
             self.mem.live.lock().push((addr, b));
             self.mem.used.fetch_add(len, Ordering::SeqCst);
-            Some(HostBuffer::new(
-                vec![Extent { addr, len }],
-                self.mem.clone(),
-            ))
-        }
-        fn backing_ranges(&self) -> Vec<(usize, usize)> {
-            vec![(4096, 8192)]
+            HostBuffer::new(vec![Extent { addr, len }], self.mem.clone())
         }
     }
 
@@ -354,8 +482,11 @@ mod tests {
         fn kind(&self) -> &'static str {
             "test-memcpy"
         }
-        fn can_address(&self, location: MemoryLocation) -> bool {
-            location == MemoryLocation::Host
+        fn can_address(&self, space: MemorySpace) -> bool {
+            space.is_host()
+        }
+        fn install_host_memory(&self, _regions: &[HostRegion]) -> Result<(), TransportError> {
+            Ok(())
         }
         async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
             for op in &batch.ops {
@@ -371,9 +502,13 @@ mod tests {
         }
     }
 
+    fn one(p: &dyn HostPool, len: usize) -> Option<HostBuffer> {
+        p.allocate_batch(&[len], 1)?.pop()
+    }
+
     fn batch(src: &[u8], dst: &HostBuffer) -> CopyBatch {
         CopyBatch {
-            location: MemoryLocation::Host,
+            location: MemorySpace::HOST,
             direction: Direction::ToHost,
             mode: TransferMode::default(),
             ops: vec![CopyOp {
@@ -386,18 +521,18 @@ mod tests {
 
     #[test]
     fn tier_fail_next_then_recovers() {
-        let tier = FaultyTier::new(Arc::new(HeapTier::default()));
+        let tier = FaultyPool::new(Arc::new(HeapTier::default()));
         let c = tier.control();
         c.fail_next(2);
         assert_eq!(c.pending_failures(), 2);
-        assert!(tier.allocate(10).is_none());
-        assert!(tier.allocate_batch(&[1, 2]).is_none());
+        assert!(one(&tier, 10).is_none());
+        assert!(tier.allocate_batch(&[1, 2], 1).is_none());
         assert_eq!(
             tier.used_bytes(),
             0,
             "an injected failure allocates nothing"
         );
-        let b = tier.allocate(10).expect("budget spent");
+        let b = one(&tier, 10).expect("budget spent");
         assert_eq!(b.len(), 10);
         assert_eq!(tier.used_bytes(), 10);
         assert_eq!(c.calls(), 3);
@@ -409,29 +544,30 @@ mod tests {
 
     #[test]
     fn tier_fail_every_kth() {
-        let tier = FaultyTier::new(Arc::new(HeapTier::default()));
+        let tier = FaultyPool::new(Arc::new(HeapTier::default()));
         let c = tier.control();
         c.fail_every(3);
-        let got: Vec<bool> = (0..9).map(|_| tier.allocate(4).is_some()).collect();
+        let got: Vec<bool> = (0..9).map(|_| one(&tier, 4).is_some()).collect();
         assert_eq!(
             got,
             [true, true, false, true, true, false, true, true, false]
         );
         assert_eq!(c.injected_failures(), 3);
         c.clear();
-        assert!((0..6).all(|_| tier.allocate(4).is_some()));
+        assert!((0..6).all(|_| one(&tier, 4).is_some()));
         assert_eq!(c.calls(), 15);
     }
 
     #[test]
     fn tier_forwards_everything_else() {
-        let inner: Arc<dyn Tier> = Arc::new(HeapTier::default());
-        let tier = FaultyTier::new(inner.clone());
+        let inner: Arc<dyn HostPool> = Arc::new(HeapTier::default());
+        let tier = FaultyPool::new(inner.clone());
         assert_eq!(tier.kind(), "heap");
-        assert_eq!(tier.capabilities(), inner.capabilities());
+        assert_eq!(tier.metric_label(), inner.metric_label());
         assert_eq!(tier.capacity_bytes(), 1 << 20);
+        assert_eq!(tier.free_bytes(), 1 << 20);
         assert_eq!(tier.footprint_bytes(7), 7);
-        assert_eq!(tier.backing_ranges(), vec![(4096, 8192)]);
+        assert_eq!(tier.regions(), inner.regions());
         tier.trim();
         assert_eq!(tier.inner().kind(), "heap");
         assert!(format!("{tier:?}").contains("heap"));
@@ -440,11 +576,11 @@ mod tests {
     #[test]
     fn shared_control_drives_several_wrappers() {
         let c = FaultControl::new();
-        let a = FaultyTier::with_control(Arc::new(HeapTier::default()), c.clone());
-        let b = FaultyTier::with_control(Arc::new(HeapTier::default()), c.clone());
+        let a = FaultyPool::with_control(Arc::new(HeapTier::default()), c.clone());
+        let b = FaultyPool::with_control(Arc::new(HeapTier::default()), c.clone());
         c.fail_next(1);
-        assert!(a.allocate(1).is_none());
-        assert!(b.allocate(1).is_some());
+        assert!(one(&a, 1).is_none());
+        assert!(one(&b, 1).is_some());
         assert_eq!(c.calls(), 2);
     }
 
@@ -454,8 +590,8 @@ mod tests {
         let t = FaultyTransport::new(inner.clone());
         let c = t.control();
         assert_eq!(t.kind(), "test-memcpy");
-        assert!(t.can_address(MemoryLocation::Host));
-        assert!(!t.can_address(MemoryLocation::CudaDevice { ordinal: 0 }));
+        assert!(t.can_address(MemorySpace::HOST));
+        assert!(!t.can_address(MemorySpace::new("gpu", 0)));
         let tier = HeapTier::default();
         let dst = tier.allocate(64).unwrap();
         let src: Vec<u8> = (0..64).collect();

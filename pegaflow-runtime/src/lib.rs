@@ -5,14 +5,18 @@
 //! [`engine`]), the gRPC and HTTP services, the fd side channel and the metrics. It depends on
 //! no backend: backends depend on it and register through `inventory`.
 
+pub mod block;
 pub mod buffer;
 pub mod config;
 pub mod engine;
+pub mod entry;
 pub mod error;
 pub mod fault;
 pub mod fd_channel;
+pub mod layers;
 pub mod metrics;
 pub mod plugin;
+pub mod store;
 
 pub use buffer::{Extent, HostBuffer, HostMemory};
 pub use plugin::*;
@@ -21,4 +25,5 @@ pub mod http;
 pub mod server;
 pub mod service;
 
-pub use server::{init_logging, run, start, ServerHandle};
+pub use entry::main;
+pub use server::{build_pipeline, init_logging, run, start, BuiltPipeline, ServerHandle};

@@ -72,6 +72,32 @@ pub struct Metrics {
     pub fd_channel_events: IntCounterVec,
     /// Descriptors waiting on the side channel (this server).
     pub fd_channel_pending: IntGauge,
+    /// Demotions from host DRAM to a lower tier, by tier and outcome (`written`, `failed`,
+    /// `dropped_queue_full`, `dropped_shutdown`) (this server).
+    pub tier_demotions: IntCounterVec,
+    /// Blocks and bytes waiting in the demotion queue (this server).
+    pub tier_demotion_queue_blocks: IntGauge,
+    /// Bytes waiting in the demotion queue (this server).
+    pub tier_demotion_queue_bytes: IntGauge,
+    /// Blocks promoted into host DRAM or not, by tier and outcome (`promoted`, `failed`,
+    /// `missing`) (this server).
+    pub tier_promotions: IntCounterVec,
+    /// QueryPrefetch answers by outcome (`ready`, `loading`) (this server).
+    pub query_answers: IntCounterVec,
+    /// Promotion tasks not yet collected (this server).
+    pub promotion_tasks: IntGauge,
+    /// Operations of a lower tier seen by its `metrics` layer, by tier, op and outcome.
+    pub tier_ops: IntCounterVec,
+    /// Duration of a lower tier's operations (its `metrics` layer), by tier and op.
+    pub tier_op_duration: HistogramVec,
+    /// Bytes moved by a lower tier's puts and gets (its `metrics` layer), by tier and op.
+    pub tier_op_bytes: IntCounterVec,
+    /// Bytes held by each lower tier (this server).
+    pub tier_used_bytes: IntGaugeVec,
+    /// Blocks an admission layer kept out of a tier (PegaFlow's name).
+    pub cache_block_admission_rejections: IntCounter,
+    /// Index events lost because a subscriber lagged (this server).
+    pub index_events_lagged: IntCounter,
 }
 
 fn exp_buckets(start: f64, factor: f64, n: usize) -> Vec<f64> {
@@ -221,6 +247,73 @@ impl Metrics {
             fd_channel_pending: reg!(g(
                 "pegaflow_fd_channel_pending",
                 "Descriptors received and not yet taken"
+            )),
+            tier_demotions: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_tier_demotions_total",
+                    "Blocks demoted from host DRAM to a lower tier, by outcome"
+                ),
+                &["tier", "outcome"]
+            )),
+            tier_demotion_queue_blocks: reg!(g(
+                "pegaflow_tier_demotion_queue_blocks",
+                "Blocks waiting to be demoted"
+            )),
+            tier_demotion_queue_bytes: reg!(g(
+                "pegaflow_tier_demotion_queue_bytes",
+                "Bytes waiting to be demoted (host memory not yet freed)"
+            )),
+            tier_promotions: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_tier_promotions_total",
+                    "Blocks promoted from a lower tier into host DRAM, by outcome"
+                ),
+                &["tier", "outcome"]
+            )),
+            query_answers: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_query_answers_total",
+                    "QueryPrefetch answers by outcome (ready, loading)"
+                ),
+                &["outcome"]
+            )),
+            promotion_tasks: reg!(g(
+                "pegaflow_promotion_tasks",
+                "Promotion tasks running or waiting for their re-poll"
+            )),
+            tier_ops: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_tier_ops_total",
+                    "Lower-tier operations by tier, op and outcome"
+                ),
+                &["tier", "op", "outcome"]
+            )),
+            tier_op_duration: reg!(HistogramVec::new(
+                prometheus::HistogramOpts::new(
+                    "pegaflow_tier_op_duration_seconds",
+                    "Lower-tier operation duration"
+                )
+                .buckets(exp_buckets(1e-5, 4.0, 12)),
+                &["tier", "op"]
+            )),
+            tier_op_bytes: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_tier_op_bytes_total",
+                    "Bytes written (put) and read (get) by lower tiers"
+                ),
+                &["tier", "op"]
+            )),
+            tier_used_bytes: reg!(IntGaugeVec::new(
+                Opts::new("pegaflow_tier_used_bytes", "Bytes held by each lower tier"),
+                &["tier"]
+            )),
+            cache_block_admission_rejections: reg!(c(
+                "pegaflow_cache_block_admission_rejections_total",
+                "Blocks an admission filter kept out of a tier"
+            )),
+            index_events_lagged: reg!(c(
+                "pegaflow_index_events_lagged_total",
+                "Index events a lagging subscriber missed"
             )),
             registry,
         }

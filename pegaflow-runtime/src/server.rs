@@ -15,8 +15,8 @@ use crate::engine::{Engine, EngineParts};
 use crate::fd_channel::{FdChannel, FdChannelLimits};
 use crate::metrics::Metrics;
 use crate::plugin::{
-    registrar_factory, tier_factory, transport_factory, RegistrarFactory, RuntimeContext,
-    TransportFactory,
+    known_tiers, registrar_factory, tier_factory, transport_factory, BuiltTier, HostPool,
+    PayloadCarrier, Registrar, RegistrarFactory, RuntimeContext, Tier, Transport, TransportFactory,
 };
 use crate::service::EngineService;
 
@@ -94,6 +94,7 @@ impl ServerHandle {
                 "instances still draining after {drain_timeout:?}; exiting without waiting for them"
             ),
         }
+        self.engine.store().stop();
     }
 }
 
@@ -119,74 +120,30 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         ),
         None => None,
     };
-    let mut ctx = RuntimeContext {
+    let ctx = RuntimeContext {
         fd_channel: fd_channel.clone(),
-        landing_tier: None,
         devices: pipeline.server.devices.clone(),
     };
-    let mut tiers = Vec::new();
-    for t in &pipeline.tiers {
-        let f = tier_factory(&t.kind)?;
-        let tier = (f.build)(&t.settings, &ctx)
-            .with_context(|| format!("cannot build tier {:?}", t.kind))?;
-        tiers.push(tier);
-    }
-    ctx.landing_tier = tiers.first().cloned();
-    let transports = match &pipeline.transports {
-        Some(list) => list
-            .iter()
-            .map(|t| {
-                let f = transport_factory(&t.kind)?;
-                (f.build)(&t.settings, &ctx)
-                    .with_context(|| format!("cannot build transport {:?}", t.kind))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?,
-        None => inventory::iter::<TransportFactory>()
-            .map(|f| {
-                (f.build)(&toml::Table::new(), &ctx)
-                    .with_context(|| format!("cannot build transport {:?}", f.kind))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?,
-    };
-    let registrars = match &pipeline.registrars {
-        Some(list) => list
-            .iter()
-            .map(|t| {
-                let f = registrar_factory(&t.kind)?;
-                (f.build)(&t.settings, &ctx)
-                    .with_context(|| format!("cannot build registrar {:?}", t.kind))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?,
-        None => inventory::iter::<RegistrarFactory>()
-            .map(|f| {
-                (f.build)(&toml::Table::new(), &ctx)
-                    .with_context(|| format!("cannot build registrar {:?}", f.kind))
-            })
-            .collect::<anyhow::Result<Vec<_>>>()?,
-    };
-    let registrars: Vec<_> = if pipeline.server.python_registry {
-        registrars
-    } else {
-        registrars
-            .into_iter()
-            .filter(|r| r.payload() != crate::plugin::PayloadKind::CudaIpcWrapper)
-            .collect()
-    };
+    let built = build_pipeline(&pipeline, &ctx, &metrics)?;
     tracing::info!(
-        tiers = ?tiers.iter().map(|t| t.kind()).collect::<Vec<_>>(),
-        transports = ?transports.iter().map(|t| t.kind()).collect::<Vec<_>>(),
-        registrars = ?registrars.iter().map(|t| t.kind()).collect::<Vec<_>>(),
-        capacity_bytes = tiers.first().map(|t| t.capacity_bytes()),
+        pool = built.pool.kind(),
+        capacity_bytes = built.pool.capacity_bytes(),
+        lower_tiers = ?built.lower.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+        transports = ?built.transports.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+        registrars = ?built.registrars.iter().map(|t| t.kind()).collect::<Vec<_>>(),
         "pipeline built"
     );
     let engine = Engine::new(EngineParts {
         config: pipeline.engine.clone(),
-        tiers,
-        registrars,
-        transports,
+        pool: built.pool,
+        lower_tiers: built.lower,
+        store: pipeline.store.clone(),
+        registrars: built.registrars,
+        transports: built.transports,
         metrics,
         fd_channel: fd_channel.clone(),
     })?;
+    engine.store().recover().await?;
 
     let stop = Arc::new(Notify::new());
     let shutdown_requested = Arc::new(Notify::new());
@@ -258,6 +215,138 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         stop,
         shutdown_requested,
         tasks,
+    })
+}
+
+/// The backends of a pipeline, built and wired: layers applied, host memory installed into
+/// every transport.
+pub struct BuiltPipeline {
+    /// The landing pool.
+    pub pool: Arc<dyn HostPool>,
+    /// Lower tiers, in fall-through order.
+    pub lower: Vec<Arc<dyn Tier>>,
+    /// Transports, in preference order.
+    pub transports: Vec<Arc<dyn Transport>>,
+    /// Registrars (without those of per-layer blobs when `python_registry` is off).
+    pub registrars: Vec<Arc<dyn Registrar>>,
+}
+
+impl std::fmt::Debug for BuiltPipeline {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("BuiltPipeline")
+            .field("pool", &self.pool.kind())
+            .field("lower", &self.lower.len())
+            .field("transports", &self.transports.len())
+            .field("registrars", &self.registrars.len())
+            .finish()
+    }
+}
+
+/// Builds every backend of `pipeline` through the plugin registry: the first `[[tier]]` must
+/// be a landing pool and the others key-addressed tiers; `layers` wrap tiers and transports;
+/// the pool's (and tiers') host regions are installed into every transport.
+///
+/// # Errors
+/// An unknown kind or layer (listing the known ones), a factory's own error, a landing tier
+/// that is not first (or a second one), a pipeline without a tier.
+pub fn build_pipeline(
+    pipeline: &PipelineConfig,
+    ctx: &RuntimeContext,
+    metrics: &Arc<Metrics>,
+) -> anyhow::Result<BuiltPipeline> {
+    let mut pool: Option<Arc<dyn HostPool>> = None;
+    let mut lower = Vec::new();
+    for (i, t) in pipeline.tiers.iter().enumerate() {
+        let f = tier_factory(&t.kind)?;
+        let built = (f.build)(&t.settings, ctx)
+            .with_context(|| format!("cannot build tier {:?}", t.kind))?;
+        match built {
+            BuiltTier::Landing(p) if i == 0 => {
+                if !t.layers.is_empty() {
+                    anyhow::bail!(
+                        "tier {:?}: layers wrap key-addressed tiers, not the landing pool",
+                        t.kind
+                    );
+                }
+                pool = Some(p);
+            }
+            BuiltTier::Landing(_) => anyhow::bail!(
+                "tier {:?} is a landing (host DRAM) tier: only the first [[tier]] may be one",
+                t.kind
+            ),
+            BuiltTier::Block(_) if i == 0 => anyhow::bail!(
+                "the first [[tier]] must be a landing (host DRAM) tier; {:?} is a key-addressed tier below it",
+                t.kind
+            ),
+            BuiltTier::Block(b) => lower.push(
+                crate::plugin::wrap_tier(b, &t.layers, metrics)
+                    .with_context(|| format!("tier {:?}", t.kind))?,
+            ),
+        }
+    }
+    let pool = pool.ok_or_else(|| {
+        anyhow::anyhow!(
+            "the pipeline has no tier; add a [[tier]] of a landing kind (this binary knows: {})",
+            known_tiers()
+        )
+    })?;
+    let mut transports = Vec::new();
+    match &pipeline.transports {
+        Some(list) => {
+            for t in list {
+                let f = transport_factory(&t.kind)?;
+                let built = (f.build)(&t.settings, ctx)
+                    .with_context(|| format!("cannot build transport {:?}", t.kind))?;
+                transports.push(
+                    crate::plugin::wrap_transport(built, &t.layers, metrics)
+                        .with_context(|| format!("transport {:?}", t.kind))?,
+                );
+            }
+        }
+        None => {
+            for f in inventory::iter::<TransportFactory>() {
+                transports.push(
+                    (f.build)(&toml::Table::new(), ctx)
+                        .with_context(|| format!("cannot build transport {:?}", f.kind))?,
+                );
+            }
+        }
+    }
+    let regions = pool.regions();
+    for t in &transports {
+        t.install_host_memory(&regions).map_err(|e| {
+            anyhow::anyhow!("transport {:?} cannot install host memory: {e}", t.kind())
+        })?;
+    }
+    let registrars = match &pipeline.registrars {
+        Some(list) => list
+            .iter()
+            .map(|t| {
+                let f = registrar_factory(&t.kind)?;
+                (f.build)(&t.settings, ctx)
+                    .with_context(|| format!("cannot build registrar {:?}", t.kind))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+        None => inventory::iter::<RegistrarFactory>()
+            .map(|f| {
+                (f.build)(&toml::Table::new(), ctx)
+                    .with_context(|| format!("cannot build registrar {:?}", f.kind))
+            })
+            .collect::<anyhow::Result<Vec<_>>>()?,
+    };
+    let registrars: Vec<_> = if pipeline.server.python_registry {
+        registrars
+    } else {
+        registrars
+            .into_iter()
+            .filter(|r| r.scheme().carrier != PayloadCarrier::LayerBlobs)
+            .collect()
+    };
+    Ok(BuiltPipeline {
+        pool,
+        lower,
+        transports,
+        registrars,
     })
 }
 

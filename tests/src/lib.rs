@@ -1,4 +1,5 @@
-//! Cross-crate integration tests: the tier conformance suite and the end-to-end harness.
+//! Cross-crate integration tests: the conformance suites (host pools, key-addressed tiers) and the end-to-end harness.
 
 pub mod harness;
+pub mod pool_suite;
 pub mod tier_suite;

@@ -1,389 +1,387 @@
-//! The tier conformance suite: written once, instantiated per tier (DESIGN.md §9).
+//! The key-addressed tier conformance suite: written once, instantiated for every tier below
+//! host DRAM (in-tree tiers, the examples' tier, and each of them under the `fault` and
+//! `metrics` layers), gated by the capabilities a tier declares (DESIGN.md §9).
 //!
-//! Owns: generic checks every [`Tier`] must pass, each a `pub fn(TierMaker)`, and the
-//! [`tier_conformance_tests!`](crate::tier_conformance_tests) macro that turns them into one
-//! `#[test]` per case for a given maker. A tier crate's test file is one line:
-//! `pegaflow_tests::tier_conformance_tests!(my_maker);` inside a module.
+//! Owns: generic async checks of the [`Tier`] contract, each a `pub async fn(&TierMaker)`,
+//! and the [`block_tier_conformance_tests!`](crate::block_tier_conformance_tests) macro that
+//! turns them into one `#[tokio::test]` per case for a maker.
 //!
-//! Must never: depend on a particular tier's rounding, layout or kind name (only on what the
-//! [`Tier`] trait promises), time anything, or leave buffers alive between cases.
-//!
-//! Extending: the cases below exercise the allocate-style operations of host-addressable
-//! tiers and are skipped (returning early) for tiers that are not. When the trait grows
-//! put/get/remove (SSD), add `pub fn` cases here and one line each to the macro.
+//! Must never: depend on a tier's kind, its eviction order or its rounding (only on what the
+//! trait promises: a key is visible only after a successful put; a get yields exactly the
+//! bytes put; lookups stop at the first key not held; an injected failure is never reported
+//! as success), time anything, or leave state between cases (each case makes a fresh tier).
 
+use std::path::Path;
 use std::sync::Arc;
 
+use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
 use pegaflow_runtime::fault::FaultyTier;
-use pegaflow_runtime::{HostBuffer, Tier};
+use pegaflow_runtime::{Extent, HostBuffer, HostMemory, Tier, TierError, TierGet, TierPut};
 
-/// Builds a fresh, empty tier able to hold about `capacity_bytes` bytes (the tier may round
-/// the capacity down; the suite reads [`Tier::capacity_bytes`]).
-pub type TierMaker = fn(capacity_bytes: u64) -> Arc<dyn Tier>;
+use crate::pool_suite::{pattern, Rng};
 
-/// A small deterministic generator (xorshift64*), so failures reproduce.
-#[derive(Debug, Clone)]
-pub struct Rng(u64);
+/// Builds a tier able to hold about `capacity_bytes` bytes, keeping whatever it persists
+/// under `dir` (a fresh temporary directory per case; calling the maker again with the same
+/// `dir` reopens a persistent tier).
+pub struct TierMaker {
+    /// The constructor.
+    pub make: fn(capacity_bytes: u64, dir: &Path) -> Arc<dyn Tier>,
+}
 
-impl Rng {
-    /// A generator seeded with `seed` (any value).
-    pub fn new(seed: u64) -> Self {
-        Self(seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) | 1)
-    }
+/// Heap memory for test buffers (freed when the last buffer is dropped).
+#[derive(Debug)]
+struct HeapMem(parking_lot::Mutex<Vec<(usize, Box<[u8]>)>>);
 
-    /// The next 64 random bits.
-    pub fn next_u64(&mut self) -> u64 {
-        self.0 ^= self.0 >> 12;
-        self.0 ^= self.0 << 25;
-        self.0 ^= self.0 >> 27;
-        self.0.wrapping_mul(0x2545_F491_4F6C_DD1D)
-    }
-
-    /// A value in `lo..=hi`.
-    pub fn range(&mut self, lo: usize, hi: usize) -> usize {
-        lo + (self.next_u64() % (hi - lo + 1) as u64) as usize
+impl HostMemory for HeapMem {
+    fn release(&self, extents: &[Extent]) {
+        let mut v = self.0.lock();
+        for e in extents {
+            v.retain(|(a, _)| *a != e.addr);
+        }
     }
 }
 
-/// `len` bytes that differ between ids and between positions.
-pub fn pattern(id: u64, len: usize) -> Vec<u8> {
-    let mut r = Rng::new(id ^ 0xA5A5_5A5A);
-    let mut out = Vec::with_capacity(len + 8);
-    while out.len() < len {
-        out.extend_from_slice(&r.next_u64().to_le_bytes());
+/// A host buffer of `len` bytes on the heap, in `pieces` extents (to exercise scattered
+/// destinations and sources).
+pub fn heap_buffer(len: usize, pieces: usize) -> HostBuffer {
+    let mem = Arc::new(HeapMem(parking_lot::Mutex::new(Vec::new())));
+    let pieces = pieces.clamp(1, len.max(1));
+    let mut extents = Vec::new();
+    let mut left = len;
+    for i in 0..pieces {
+        let l = if i + 1 == pieces { left } else { len / pieces };
+        let mut b = vec![0u8; l.max(1)].into_boxed_slice();
+        let addr = b.as_mut_ptr() as usize;
+        mem.0.lock().push((addr, b));
+        extents.push(Extent { addr, len: l });
+        left -= l;
     }
-    out.truncate(len);
-    out
+    HostBuffer::new(extents, mem)
 }
 
-/// Fills `buf` with [`pattern`]`(id)`.
-pub fn fill(buf: &HostBuffer, id: u64) {
-    buf.write_at(0, &pattern(id, buf.len()));
+/// A key in namespace `ns` for block number `i`.
+pub fn key(ns: &str, i: u64) -> BlockKey {
+    BlockKey {
+        namespace: ns.into(),
+        group: 0,
+        hash: i.to_le_bytes().to_vec().into(),
+    }
 }
 
-/// Whether `buf` still holds [`pattern`]`(id)`.
-pub fn holds(buf: &HostBuffer, id: u64) -> bool {
-    let mut got = vec![0u8; buf.len()];
+/// A sealed block for `id` with the given slot lengths, filled with [`pattern`]`(id)`.
+pub fn block(id: u64, slot_lens: &[u64]) -> Arc<SealedBlock> {
+    let shape = BlockShape::new(slot_lens.to_vec());
+    let len = shape.len_bytes() as usize;
+    let buf = heap_buffer(len, 1 + (id as usize % 3));
+    buf.write_at(0, &pattern(id, len));
+    Arc::new(SealedBlock::from_buffer(
+        0,
+        &shape,
+        Arc::new(buf),
+        len as u64,
+    ))
+}
+
+fn put_of(id: u64, slot_lens: &[u64]) -> TierPut {
+    TierPut {
+        key: key("ns", id),
+        block: block(id, slot_lens),
+    }
+}
+
+fn get_of(k: BlockKey, shape: BlockShape) -> (TierGet, Arc<HostBuffer>) {
+    let dest = Arc::new(heap_buffer(shape.len_bytes() as usize, 2));
+    (
+        TierGet {
+            key: k,
+            shape,
+            dest: dest.clone(),
+        },
+        dest,
+    )
+}
+
+fn holds(buf: &HostBuffer, id: u64, len: usize) -> bool {
+    let mut got = vec![0u8; len];
     buf.read_at(0, &mut got);
-    got == pattern(id, buf.len())
+    got == pattern(id, len)
 }
 
-/// The tier, or `None` (the case is skipped) when it is not host-addressable.
-fn host_tier(make: TierMaker, capacity: u64) -> Option<Arc<dyn Tier>> {
-    let t = make(capacity);
-    if t.capabilities().host_addressable {
-        Some(t)
-    } else {
-        eprintln!("skipped: tier {} is not host-addressable", t.kind());
-        None
-    }
+fn fresh(m: &TierMaker, capacity: u64) -> (Arc<dyn Tier>, tempfile::TempDir) {
+    let dir = tempfile::tempdir().expect("temp dir");
+    ((m.make)(capacity, dir.path()), dir)
 }
 
-fn free_bytes(t: &dyn Tier) -> u64 {
-    t.capacity_bytes() - t.used_bytes()
-}
-
-/// The largest length whose footprint fits in `bytes`.
-fn largest_len_within(t: &dyn Tier, bytes: u64) -> usize {
-    let mut len = usize::try_from(bytes).expect("fits usize");
-    while len > 0 && t.footprint_bytes(len) > bytes {
-        len -= 1;
-    }
-    len
-}
-
-/// Capacity is reported, starts empty, and `used_bytes` moves by exactly the footprint of
-/// each allocation and back on drop.
-pub fn capacity_and_used_accounting(make: TierMaker) {
-    let Some(t) = host_tier(make, 1 << 20) else {
-        return;
-    };
-    let cap = t.capacity_bytes();
-    assert!(cap > 0 && cap <= 1 << 20, "capacity {cap}");
-    assert_eq!(t.used_bytes(), 0, "a fresh tier is empty");
-    let mut expect = 0;
-    let mut bufs = Vec::new();
-    for len in [1usize, 100, 511, 512, 513, 4096, 10_000, 65_537] {
-        let fp = t.footprint_bytes(len);
-        assert!(fp >= len as u64, "footprint {fp} below length {len}");
-        let b = t.allocate(len).expect("room");
-        assert_eq!(b.len(), len, "buffer length is exactly the request");
-        assert_eq!(b.extents().iter().map(|e| e.len).sum::<usize>(), len);
-        expect += fp;
-        assert_eq!(t.used_bytes(), expect);
-        bufs.push((b, fp));
-    }
-    while let Some((b, fp)) = bufs.pop() {
-        drop(b);
-        expect -= fp;
-        assert_eq!(t.used_bytes(), expect);
-    }
-    assert_eq!(t.used_bytes(), 0);
-    assert_eq!(t.capacity_bytes(), cap, "capacity does not drift");
-}
-
-/// Filling the tier ends in `None` only when the footprint no longer fits; a free makes
-/// room again; a request above capacity fails without changing anything.
-pub fn exhaustion_returns_none_then_succeeds_after_free(make: TierMaker) {
-    let Some(t) = host_tier(make, 256 << 10) else {
-        return;
-    };
-    let cap = t.capacity_bytes();
-    let len = 4096;
-    let fp = t.footprint_bytes(len);
-    let mut bufs = Vec::new();
-    loop {
-        match t.allocate(len) {
-            Some(b) => bufs.push(b),
-            None => break,
-        }
-        assert!(
-            bufs.len() as u64 <= cap / fp + 1,
-            "more allocated than fits"
-        );
-    }
-    assert!(
-        free_bytes(&*t) < fp,
-        "None while {} bytes free",
-        free_bytes(&*t)
-    );
-    assert!(t.used_bytes() <= cap);
-    let used = t.used_bytes();
-    assert!(t.allocate(len).is_none(), "still full");
-    assert!(t.allocate_batch(&[len]).is_none(), "batch on a full tier");
-    assert_eq!(t.used_bytes(), used, "failed allocations change nothing");
-    bufs.pop();
-    let b = t.allocate(len).expect("room after a free");
-    assert_eq!(b.len(), len);
-    drop((b, bufs));
-    assert_eq!(t.used_bytes(), 0);
-    let over = usize::try_from(cap).expect("fits") + 1;
-    assert!(t.allocate(over).is_none(), "above capacity");
-    assert_eq!(t.used_bytes(), 0);
-}
-
-/// Mixed sizes, freed in a checkerboard, leave many small holes; an allocation of all the
-/// free bytes still succeeds and every byte lands.
-pub fn fragmentation_does_not_fail_allocation(make: TierMaker) {
-    let Some(t) = host_tier(make, 512 << 10) else {
-        return;
-    };
-    let mut rng = Rng::new(7);
-    let mut bufs: Vec<Option<(HostBuffer, u64)>> = Vec::new();
-    let mut id = 0;
-    while let Some(b) = t.allocate(rng.range(1, 9000)) {
-        fill(&b, id);
-        bufs.push(Some((b, id)));
-        id += 1;
-    }
-    for slot in bufs.iter_mut().step_by(2) {
-        *slot = None;
-    }
-    let free = free_bytes(&*t);
-    let len = largest_len_within(&*t, free);
-    assert!(len > 0);
-    let big = t
-        .allocate(len)
-        .unwrap_or_else(|| panic!("fragmentation failed a {len}-byte allocation with {free} free"));
-    assert_eq!(big.len(), len);
-    fill(&big, u64::MAX);
-    assert!(holds(&big, u64::MAX));
-    for (b, id) in bufs.iter().flatten() {
-        assert!(
-            holds(b, *id),
-            "buffer {id} damaged by the gathered allocation"
-        );
-    }
-    drop(big);
-    bufs.clear();
-    assert_eq!(t.used_bytes(), 0);
-    // After everything is free, one allocation of (nearly) the whole capacity succeeds.
-    let all = largest_len_within(&*t, t.capacity_bytes());
-    assert!(
-        t.allocate(all).is_some(),
-        "free space did not come back whole"
-    );
-}
-
-/// Bytes written to one buffer never appear in another, across many live buffers of mixed
-/// sizes, including after frees and reuse.
-pub fn bytes_never_leak_between_buffers(make: TierMaker) {
-    let Some(t) = host_tier(make, 1 << 20) else {
-        return;
-    };
-    let mut rng = Rng::new(11);
-    let mut live: Vec<(HostBuffer, u64)> = Vec::new();
-    for id in 0..400u64 {
-        if !live.is_empty() && rng.range(0, 2) == 0 {
-            let i = rng.range(0, live.len() - 1);
-            let (b, bid) = live.swap_remove(i);
-            assert!(holds(&b, bid), "buffer {bid} damaged before free");
-        }
-        if let Some(b) = t.allocate(rng.range(1, 20_000)) {
-            fill(&b, id);
-            live.push((b, id));
-        }
-        for (b, bid) in &live {
-            assert!(holds(b, *bid), "buffer {bid} damaged after allocating {id}");
-        }
-    }
-    let mut ranges: Vec<(usize, usize)> = live
-        .iter()
-        .flat_map(|(b, _)| b.extents().iter().map(|e| (e.addr, e.addr + e.len)))
+/// Puts, then lookups in prefix order and gets with exact bytes, over several slot layouts.
+pub async fn put_lookup_get_roundtrip(m: &TierMaker) {
+    let (t, _dir) = fresh(m, 64 << 20);
+    let layouts: [&[u64]; 3] = [&[4096], &[1024, 1024, 2048], &[512; 8]];
+    let puts: Vec<TierPut> = (0..12u64)
+        .map(|i| put_of(i, layouts[i as usize % 3]))
         .collect();
-    ranges.sort_unstable();
-    for w in ranges.windows(2) {
-        assert!(w[0].1 <= w[1].0, "extents overlap: {w:?}");
+    let shapes: Vec<BlockShape> = puts.iter().map(|p| p.block.shape()).collect();
+    for r in t.put(puts).await {
+        r.expect("put succeeds");
     }
-    let backing = t.backing_ranges();
-    if !backing.is_empty() {
-        for &(s, e) in &ranges {
-            assert!(
-                backing.iter().any(|&(a, l)| s >= a && e <= a + l),
-                "extent outside the backing ranges"
-            );
+    let keys: Vec<BlockKey> = (0..12).map(|i| key("ns", i)).collect();
+    let found = t.lookup(&keys).await.expect("lookup");
+    assert_eq!(found, shapes, "every key held, in order, with its shape");
+    let (reads, dests): (Vec<_>, Vec<_>) = keys
+        .iter()
+        .zip(&shapes)
+        .map(|(k, s)| get_of(k.clone(), s.clone()))
+        .unzip();
+    for r in t.get(reads).await {
+        r.expect("get succeeds");
+    }
+    for (i, (d, s)) in dests.iter().zip(&shapes).enumerate() {
+        assert!(
+            holds(d, i as u64, s.len_bytes() as usize),
+            "block {i} bytes exact"
+        );
+    }
+    assert!(t.used_bytes() > 0 && t.used_bytes() <= t.capacity_bytes());
+}
+
+/// A lookup stops at the first key the tier does not hold; another namespace or group is
+/// another key.
+pub async fn lookup_stops_at_first_missing_key(m: &TierMaker) {
+    let (t, _dir) = fresh(m, 16 << 20);
+    let puts = vec![put_of(0, &[1000]), put_of(1, &[1000]), put_of(3, &[1000])];
+    for r in t.put(puts).await {
+        r.unwrap();
+    }
+    let keys: Vec<BlockKey> = (0..4).map(|i| key("ns", i)).collect();
+    assert_eq!(t.lookup(&keys).await.unwrap().len(), 2);
+    assert_eq!(t.lookup(&keys[2..]).await.unwrap().len(), 0);
+    assert_eq!(t.lookup(&keys[3..]).await.unwrap().len(), 1);
+    assert!(t.lookup(&[key("other", 0)]).await.unwrap().is_empty());
+    let mut g1 = key("ns", 0);
+    g1.group = 1;
+    assert!(t.lookup(&[g1]).await.unwrap().is_empty());
+    assert!(t.lookup(&[]).await.unwrap().is_empty());
+}
+
+/// A second put of a held key succeeds and does not change its bytes.
+pub async fn put_of_a_held_key_changes_nothing(m: &TierMaker) {
+    let (t, _dir) = fresh(m, 16 << 20);
+    t.put(vec![put_of(5, &[2048])]).await[0].clone().unwrap();
+    let used = t.used_bytes();
+    // Same key, other bytes: content-addressed blocks never change.
+    let other = TierPut {
+        key: key("ns", 5),
+        block: block(6, &[2048]),
+    };
+    t.put(vec![other]).await[0].clone().unwrap();
+    assert_eq!(t.used_bytes(), used);
+    let (r, d) = get_of(key("ns", 5), BlockShape::new(vec![2048]));
+    t.get(vec![r]).await[0].clone().unwrap();
+    assert!(holds(&d, 5, 2048), "the first put's bytes stay");
+}
+
+/// Remove drops held keys (and counts them); a get of a missing key is NotFound and writes
+/// nothing.
+pub async fn remove_and_missing_get(m: &TierMaker) {
+    let (t, _dir) = fresh(m, 16 << 20);
+    for r in t.put((0..4).map(|i| put_of(i, &[700])).collect()).await {
+        r.unwrap();
+    }
+    let removed = t.remove(&[key("ns", 1), key("ns", 9)]).await.unwrap();
+    assert_eq!(removed, 1);
+    let keys: Vec<BlockKey> = (0..4).map(|i| key("ns", i)).collect();
+    assert_eq!(t.lookup(&keys).await.unwrap().len(), 1);
+    let (r, d) = get_of(key("ns", 1), BlockShape::new(vec![700]));
+    let res = t.get(vec![r]).await;
+    assert!(
+        matches!(res[0], Err(TierError::NotFound)),
+        "missing key: {res:?}"
+    );
+    let mut got = vec![0xAAu8; 700];
+    d.read_at(0, &mut got);
+    assert!(got.iter().all(|&b| b == 0), "nothing written for a miss");
+    t.flush().await.expect("flush");
+}
+
+/// Filling past capacity never reports a wrong byte: each put either succeeds or fails
+/// with Full, used bytes stay within capacity, and every block the tier still reports is
+/// exact.
+pub async fn full_tier_never_serves_wrong_bytes(m: &TierMaker) {
+    let cap = 1 << 20;
+    let (t, _dir) = fresh(m, cap);
+    let block_len = 64 << 10;
+    let n = 3 * cap / block_len;
+    let mut ok = 0;
+    for i in 0..n {
+        match &t.put(vec![put_of(i, &[block_len])]).await[0] {
+            Ok(()) => ok += 1,
+            Err(TierError::Full(_)) => {}
+            Err(e) => panic!("put {i}: unexpected error {e}"),
+        }
+        assert!(t.used_bytes() <= t.capacity_bytes());
+    }
+    assert!(ok > 0, "some puts fit");
+    let mut held = 0;
+    for i in 0..n {
+        let k = key("ns", i);
+        let Some(shape) = t.lookup(std::slice::from_ref(&k)).await.unwrap().pop() else {
+            continue;
+        };
+        let (r, d) = get_of(k, shape);
+        if t.get(vec![r]).await[0].is_ok() {
+            assert!(holds(&d, i, block_len as usize), "block {i} exact");
+            held += 1;
         }
     }
+    assert!(held > 0 && held as u64 * block_len <= cap);
 }
 
-/// `allocate_batch` returns one buffer per length, accounts each footprint, and is all or
-/// nothing.
-pub fn batch_allocation_is_all_or_nothing(make: TierMaker) {
-    let Some(t) = host_tier(make, 256 << 10) else {
-        return;
-    };
-    let lens = [4096, 1, 0, 777, 8192];
-    let fp: u64 = lens.iter().map(|&l| t.footprint_bytes(l)).sum();
-    let bufs = t.allocate_batch(&lens).expect("room");
-    assert_eq!(bufs.iter().map(HostBuffer::len).collect::<Vec<_>>(), lens);
-    assert_eq!(t.used_bytes(), fp);
-    for (i, b) in bufs.iter().enumerate() {
-        fill(b, i as u64);
-    }
-    for (i, b) in bufs.iter().enumerate() {
-        assert!(holds(b, i as u64));
-    }
-    drop(bufs);
-    assert_eq!(t.used_bytes(), 0);
-    let half = usize::try_from(t.capacity_bytes() / 2).expect("fits");
-    let held = t.allocate(half).expect("room");
-    let used = t.used_bytes();
-    assert!(t.allocate_batch(&[half / 2, half / 2, half / 2]).is_none());
-    assert_eq!(t.used_bytes(), used, "a failed batch allocates nothing");
-    drop(held);
-    assert_eq!(t.used_bytes(), 0);
-}
-
-/// Buffers stay valid after the last handle to the tier is dropped.
-pub fn buffers_outlive_the_tier(make: TierMaker) {
-    let Some(t) = host_tier(make, 256 << 10) else {
-        return;
-    };
-    let b = t.allocate(10_000).expect("room");
-    fill(&b, 3);
-    drop(t);
-    assert!(holds(&b, 3));
-    fill(&b, 4);
-    assert!(holds(&b, 4));
-}
-
-/// Eight threads allocate, write, verify and free concurrently; nothing overlaps and the
-/// tier ends empty.
-pub fn concurrent_allocate_write_verify_free(make: TierMaker) {
-    const THREADS: u64 = 8;
-    const ROUNDS: usize = 150;
-    const MAX_LEN: usize = 64 << 10;
-    const HELD: usize = 4;
-    let Some(t) = host_tier(make, 4 << 20) else {
-        return;
-    };
-    std::thread::scope(|s| {
-        for th in 0..THREADS {
-            let t = t.clone();
-            s.spawn(move || {
-                let mut rng = Rng::new(th + 100);
-                let mut held: Vec<(HostBuffer, u64)> = Vec::new();
-                for round in 0..ROUNDS {
-                    let id = th << 32 | round as u64;
-                    let b = t
-                        .allocate(rng.range(1, MAX_LEN))
-                        .expect("capacity exceeds what all threads hold");
-                    fill(&b, id);
-                    held.push((b, id));
-                    std::thread::yield_now();
-                    for (b, bid) in &held {
-                        assert!(holds(b, *bid), "thread {th}: buffer {bid} damaged");
-                    }
-                    if held.len() >= HELD {
-                        held.swap_remove(rng.range(0, held.len() - 1));
+/// Puts and gets from several tasks at once, with eviction under way: every get that
+/// succeeds is exact.
+pub async fn concurrent_puts_and_gets_stay_exact(m: &TierMaker) {
+    let (t, _dir) = fresh(m, 2 << 20);
+    let mut tasks = Vec::new();
+    for w in 0..4u64 {
+        let t = t.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut rng = Rng::new(w);
+            let mut exact = 0;
+            for round in 0..40u64 {
+                let id = w * 1000 + round;
+                let len = rng.range(1, 64 << 10) as u64;
+                let _ = t.put(vec![put_of(id, &[len])]).await;
+                let probe = w * 1000 + rng.range(0, round as usize) as u64;
+                let k = key("ns", probe);
+                if let Some(shape) = t.lookup(std::slice::from_ref(&k)).await.unwrap().pop() {
+                    let len = shape.len_bytes() as usize;
+                    let (r, d) = get_of(k, shape);
+                    if t.get(vec![r]).await[0].is_ok() {
+                        assert!(holds(&d, probe, len), "block {probe} exact");
+                        exact += 1;
                     }
                 }
-            });
-        }
-    });
-    assert_eq!(t.used_bytes(), 0, "every buffer was returned");
-    let all = largest_len_within(&*t, t.capacity_bytes());
-    assert!(t.allocate(all).is_some(), "free space came back whole");
+            }
+            exact
+        }));
+    }
+    let mut exact = 0;
+    for h in tasks {
+        exact += h.await.expect("task");
+    }
+    assert!(exact > 0, "some reads found their block");
+    assert!(t.used_bytes() <= t.capacity_bytes());
 }
 
-/// A [`FaultyTier`] around the tier fails exactly the allocations it is told to, changes
-/// no accounting when it does, and forwards everything else.
-pub fn faulty_tier_drives_failures(make: TierMaker) {
-    let Some(inner) = host_tier(make, 256 << 10) else {
-        return;
-    };
+/// Under the `fault` layer: an injected put failure leaves the key invisible, an injected
+/// get failure is reported as a failure (never success), and the tier works once cleared.
+pub async fn injected_faults_are_never_success(m: &TierMaker) {
+    let (inner, _dir) = fresh(m, 16 << 20);
     let t = FaultyTier::new(inner.clone());
     let c = t.control();
     assert_eq!(t.kind(), inner.kind());
     assert_eq!(t.capabilities(), inner.capabilities());
-    assert_eq!(t.capacity_bytes(), inner.capacity_bytes());
-    assert_eq!(t.backing_ranges(), inner.backing_ranges());
-
-    c.fail_next(2);
-    assert!(t.allocate(100).is_none());
-    assert!(t.allocate_batch(&[100, 200]).is_none());
-    assert_eq!(t.used_bytes(), 0, "injected failures allocate nothing");
-    let a = t.allocate(100).expect("budget spent");
-    assert_eq!(t.used_bytes(), t.footprint_bytes(100));
-    assert_eq!(inner.used_bytes(), t.used_bytes());
-
-    c.fail_every(3);
-    let calls_before = c.calls();
-    let results: Vec<bool> = (0..6).map(|_| t.allocate(64).is_some()).collect();
-    let failed = results.iter().filter(|ok| !**ok).count();
-    assert_eq!(failed, 2, "every third call fails: {results:?}");
-    assert_eq!(c.calls(), calls_before + 6);
-    assert_eq!(c.injected_failures(), 4);
-
+    c.fail_next(1);
+    let r = t.put(vec![put_of(1, &[4096]), put_of(2, &[4096])]).await;
+    assert!(r.iter().all(|r| r.is_err()), "{r:?}");
+    assert!(inner.lookup(&[key("ns", 1)]).await.unwrap().is_empty());
+    for r in t.put(vec![put_of(1, &[4096])]).await {
+        r.unwrap();
+    }
+    c.fail_next(1);
+    let (r, _d) = get_of(key("ns", 1), BlockShape::new(vec![4096]));
+    assert!(t.get(vec![r]).await[0].is_err());
+    c.fail_next(1);
+    assert!(t.lookup(&[key("ns", 1)]).await.is_err());
     c.clear();
-    let b = t.allocate(5000).expect("faults cleared");
-    fill(&b, 1);
-    assert!(holds(&b, 1));
-    drop((a, b));
-    assert_eq!(inner.used_bytes(), 0);
+    let (r, d) = get_of(key("ns", 1), BlockShape::new(vec![4096]));
+    t.get(vec![r]).await[0].clone().unwrap();
+    assert!(holds(&d, 1, 4096));
+    assert_eq!(c.injected_failures(), 3);
 }
 
-/// One `#[test]` per conformance case, each calling the case with `$maker`
-/// (a [`TierMaker`](crate::tier_suite::TierMaker)). Invoke it inside a module per tier.
+/// A dropped get or put future leaves memory safe: the tier releases the buffers it was
+/// handed once its own work ends, and keeps serving.
+pub async fn dropped_futures_leave_memory_safe(m: &TierMaker) {
+    let (t, _dir) = fresh(m, 16 << 20);
+    for r in t.put(vec![put_of(1, &[256 << 10])]).await {
+        r.unwrap();
+    }
+    let (r, dest) = get_of(key("ns", 1), BlockShape::new(vec![256 << 10]));
+    drop(t.get(vec![r]));
+    let src = block(2, &[256 << 10]);
+    drop(t.put(vec![TierPut {
+        key: key("ns", 2),
+        block: src.clone(),
+    }]));
+    // Whatever the tier started must let go of the buffers eventually.
+    for _ in 0..200 {
+        if Arc::strong_count(&dest) == 1 && Arc::strong_count(&src) == 1 {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        Arc::strong_count(&dest),
+        1,
+        "the tier let go of the destination"
+    );
+    assert_eq!(Arc::strong_count(&src), 1, "the tier let go of the source");
+    let (r, d) = get_of(key("ns", 1), BlockShape::new(vec![256 << 10]));
+    t.get(vec![r]).await[0].clone().unwrap();
+    assert!(holds(&d, 1, 256 << 10));
+}
+
+/// Persistent tiers: what was put and flushed is found again after reopening; other tiers
+/// are skipped (with a message).
+pub async fn persistent_tiers_recover(m: &TierMaker) {
+    let dir = tempfile::tempdir().unwrap();
+    let t = (m.make)(16 << 20, dir.path());
+    if !t.capabilities().persistent {
+        eprintln!("skipped: tier {} is not persistent", t.kind());
+        return;
+    }
+    for r in t
+        .put((0..5).map(|i| put_of(i, &[3000, 1000])).collect())
+        .await
+    {
+        r.unwrap();
+    }
+    t.flush().await.unwrap();
+    drop(t);
+    let t = (m.make)(16 << 20, dir.path());
+    let rec = t.recover().await.expect("recover");
+    assert_eq!(rec.blocks, 5);
+    let keys: Vec<BlockKey> = (0..5).map(|i| key("ns", i)).collect();
+    let shapes = t.lookup(&keys).await.unwrap();
+    assert_eq!(shapes.len(), 5);
+    for (i, s) in shapes.into_iter().enumerate() {
+        let (r, d) = get_of(keys[i].clone(), s);
+        t.get(vec![r]).await[0].clone().unwrap();
+        assert!(holds(&d, i as u64, 4000));
+    }
+}
+
+/// One `#[tokio::test]` per case of this suite, each with a fresh tier from `$maker` (a
+/// [`TierMaker`] expression). Invoke it inside a module per tier.
 #[macro_export]
-macro_rules! tier_conformance_tests {
+macro_rules! block_tier_conformance_tests {
     ($maker:expr) => {
-        $crate::tier_conformance_tests!(@cases $maker;
-            capacity_and_used_accounting,
-            exhaustion_returns_none_then_succeeds_after_free,
-            fragmentation_does_not_fail_allocation,
-            bytes_never_leak_between_buffers,
-            batch_allocation_is_all_or_nothing,
-            buffers_outlive_the_tier,
-            concurrent_allocate_write_verify_free,
-            faulty_tier_drives_failures,
+        $crate::block_tier_conformance_tests!(@cases $maker;
+            put_lookup_get_roundtrip,
+            lookup_stops_at_first_missing_key,
+            put_of_a_held_key_changes_nothing,
+            remove_and_missing_get,
+            full_tier_never_serves_wrong_bytes,
+            concurrent_puts_and_gets_stay_exact,
+            injected_faults_are_never_success,
+            dropped_futures_leave_memory_safe,
+            persistent_tiers_recover,
         );
     };
     (@cases $maker:expr; $($case:ident),* $(,)?) => {
         $(
-            #[test]
-            fn $case() {
-                $crate::tier_suite::$case($maker);
+            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+            async fn $case() {
+                $crate::tier_suite::$case(&$maker).await;
             }
         )*
     };

@@ -82,6 +82,7 @@ async fn health_and_metrics_answer_while_the_registry_is_wedged() {
         let mut t = toml::Table::new();
         t.insert("fd_timeout_secs".into(), toml::Value::Integer(60));
         p.registrars = Some(vec![PluginConfig {
+            layers: vec![],
             kind: "host-memfd".into(),
             settings: t,
         }]);

@@ -96,8 +96,8 @@ async fn connect_fails_when_the_side_channel_is_off() {
 /// transport reaches it): exercises the engine's native-VMM rules without a GPU.
 struct FakeVmm(Vec<u8>);
 impl Registration for FakeVmm {
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::Host
+    fn location(&self) -> MemorySpace {
+        MemorySpace::HOST
     }
     fn base_addr(&self) -> u64 {
         self.0.as_ptr() as u64
@@ -115,11 +115,20 @@ impl Registrar for FakeVmmRegistrar {
     fn kind(&self) -> &'static str {
         "fake-vmm"
     }
-    fn payload(&self) -> PayloadKind {
-        PayloadKind::CudaVmm
+    fn scheme(&self) -> PayloadScheme {
+        PayloadScheme {
+            name: "probe",
+            carrier: PayloadCarrier::SideChannel { memory_kind: 2 },
+        }
+    }
+    fn traits(&self) -> RegistrarTraits {
+        RegistrarTraits {
+            completion_by_rpc_only: true,
+            max_world_size: Some(1),
+        }
     }
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let RegistrationPayload::Native {
+        let RegistrationPayload::SideChannel {
             alloc_size, views, ..
         } = req.payload
         else {
@@ -144,6 +153,7 @@ inventory::submit! {
 async fn vmm_registrations_are_single_gpu_and_load_synchronously() {
     let srv = TestServer::start_with(ServerOptions::default(), |p| {
         p.registrars = Some(vec![PluginConfig {
+            layers: vec![],
             kind: "fake-vmm".into(),
             settings: toml::Table::new(),
         }]);
@@ -158,7 +168,7 @@ async fn vmm_registrations_are_single_gpu_and_load_synchronously() {
     req.world_size = 2;
     let e = c.register(req).await.unwrap_err();
     assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
-    assert!(e.to_string().contains("one GPU"), "{e}");
+    assert!(e.to_string().contains("at most 1 worker"), "{e}");
     // One GPU: fine.
     let req = kv
         .registration("vmm", "ns", 0, 1, 0)

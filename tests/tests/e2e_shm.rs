@@ -256,7 +256,7 @@ async fn eviction_keeps_leased_and_newest_blocks() {
     for (i, h) in a.iter().enumerate() {
         assert!(w.kv.holds(20 + i, h));
     }
-    let used = srv.handle.engine.landing_tier().used_bytes();
+    let used = srv.handle.engine.pool().used_bytes();
     assert!(used <= 24 * block, "used {used}");
 }
 
@@ -409,5 +409,5 @@ async fn concurrent_saves_under_pressure_never_fail_while_blocks_are_evictable()
     for t in tasks {
         t.await.unwrap();
     }
-    assert!(srv.handle.engine.landing_tier().used_bytes() <= 16 * block);
+    assert!(srv.handle.engine.pool().used_bytes() <= 16 * block);
 }

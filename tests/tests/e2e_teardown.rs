@@ -27,8 +27,8 @@ struct ProbeRegion {
 }
 
 impl Registration for ProbeRegion {
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::Host
+    fn location(&self) -> MemorySpace {
+        MemorySpace::HOST
     }
     fn base_addr(&self) -> u64 {
         self.mem.as_ptr() as u64
@@ -54,11 +54,17 @@ impl Registrar for ProbeRegistrar {
     fn kind(&self) -> &'static str {
         "probe-host"
     }
-    fn payload(&self) -> PayloadKind {
-        PayloadKind::HostMemfd
+    fn scheme(&self) -> PayloadScheme {
+        PayloadScheme {
+            name: "probe",
+            carrier: PayloadCarrier::SideChannel { memory_kind: 1 },
+        }
+    }
+    fn traits(&self) -> RegistrarTraits {
+        RegistrarTraits::default()
     }
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let RegistrationPayload::Native {
+        let RegistrationPayload::SideChannel {
             alloc_size, views, ..
         } = req.payload
         else {
@@ -88,8 +94,11 @@ impl Transport for ProbeTransport {
     fn kind(&self) -> &'static str {
         "probe-memcpy"
     }
-    fn can_address(&self, location: MemoryLocation) -> bool {
-        location == MemoryLocation::Host
+    fn can_address(&self, space: MemorySpace) -> bool {
+        space.is_host()
+    }
+    fn install_host_memory(&self, _regions: &[HostRegion]) -> Result<(), TransportError> {
+        Ok(())
     }
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
         event(format!("copy start {:?}", batch.direction));
@@ -123,10 +132,12 @@ const SHAPE: KvShape = KvShape {
 async fn probe_server() -> TestServer {
     TestServer::start_with(ServerOptions::default(), |p| {
         p.registrars = Some(vec![PluginConfig {
+            layers: vec![],
             kind: "probe-host".into(),
             settings: toml::Table::new(),
         }]);
         p.transports = Some(vec![PluginConfig {
+            layers: vec![],
             kind: "probe-memcpy".into(),
             settings: toml::Table::new(),
         }]);

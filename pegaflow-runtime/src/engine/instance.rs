@@ -20,7 +20,7 @@ use std::sync::Arc;
 use pegaflow_api::{KvLayout, TransferMode};
 
 use crate::error::{EngineError, EngineResult};
-use crate::plugin::{LayerRegion, MemoryLocation, PayloadKind, Transport};
+use crate::plugin::{LayerRegion, MemorySpace, RegistrarTraits, Transport};
 
 /// One registered layer of one worker.
 #[derive(Debug, Clone)]
@@ -52,10 +52,10 @@ pub struct Worker {
     pub layers: HashMap<String, WorkerLayer>,
     /// The transport that reaches this worker's memory.
     pub transport: Arc<dyn Transport>,
-    /// How the memory was handed over.
-    pub payload: PayloadKind,
-    /// Where the worker's memory lives (all its layers share one location).
-    pub location: MemoryLocation,
+    /// What the registrar that imported the memory declared of its registrations.
+    pub traits: RegistrarTraits,
+    /// Where the worker's memory lives (all its layers share one space).
+    pub location: MemorySpace,
 }
 
 impl std::fmt::Debug for Worker {

@@ -13,7 +13,7 @@ use std::time::{Duration, Instant};
 use parking_lot::Mutex;
 use pegaflow_api::LEASE_BYTES;
 
-use super::index::SealedBlock;
+use crate::block::SealedBlock;
 use crate::error::{EngineError, EngineResult};
 
 /// A live lease.

@@ -9,11 +9,11 @@ use std::time::Instant;
 use pegaflow_api::load_state::{LoadState, LOAD_FAILED, LOAD_SUCCESS};
 use pegaflow_proto as pb;
 
-use super::index::SealedBlock;
 use super::instance::{WorkerLayer, WorkerLease};
 use super::Engine;
+use crate::block::SealedBlock;
 use crate::error::{EngineError, EngineResult};
-use crate::plugin::{CopyBatch, CopyOp, Direction, PayloadKind};
+use crate::plugin::{CopyBatch, CopyOp, Direction};
 
 struct Prepared {
     wl: WorkerLease,
@@ -122,9 +122,9 @@ impl Engine {
                 req.device_id, inst.id, w.tp_rank, req.tp_rank
             )));
         }
-        if w.payload == PayloadKind::CudaVmm && !req.wait_for_completion {
+        if w.traits.completion_by_rpc_only && !req.wait_for_completion {
             return Err(EngineError::invalid(
-                "native VMM loads require wait_for_completion",
+                "loads into this registration complete only by the RPC's return: set wait_for_completion",
             ));
         }
         if req.loads.is_empty() {

@@ -6,7 +6,6 @@
 //! release a registration before fencing it and draining its copies (DESIGN.md §6).
 //! Blocking work (copies, unmapping) runs on transports' threads and on the reaper thread.
 
-mod index;
 mod instance;
 mod lease;
 mod load;
@@ -21,7 +20,8 @@ use std::time::{Duration, Instant};
 
 use parking_lot::{Mutex, RwLock};
 
-pub use index::{BlockIndex, BlockKey, KeyRef, SealedBlock, Slot};
+pub use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
+pub use crate::store::BlockIndex;
 pub use instance::{Instance, Topology, Worker};
 pub use lease::{parse_lease, LeaseTable};
 pub use reaper::Reaper;
@@ -31,7 +31,8 @@ use crate::config::EngineConfig;
 use crate::error::{EngineError, EngineResult};
 use crate::fd_channel::FdChannel;
 use crate::metrics::Metrics;
-use crate::plugin::{CopyBatch, Registrar, Tier, Transport};
+use crate::plugin::{CopyBatch, HostPool, Registrar, Tier, Transport};
+use crate::store::{StoreConfig, TierStack};
 
 /// A block saved in part: the slots received so far.
 struct Inflight {
@@ -46,8 +47,12 @@ struct Inflight {
 pub struct EngineParts {
     /// `[engine]` settings.
     pub config: EngineConfig,
-    /// Tiers, landing (host-addressable) tier first.
-    pub tiers: Vec<Arc<dyn Tier>>,
+    /// The landing tier's host pool.
+    pub pool: Arc<dyn HostPool>,
+    /// Key-addressed tiers below DRAM, in fall-through order.
+    pub lower_tiers: Vec<Arc<dyn Tier>>,
+    /// `[store]` settings.
+    pub store: StoreConfig,
     /// Registrars of the pipeline.
     pub registrars: Vec<Arc<dyn Registrar>>,
     /// Transports of the pipeline, in preference order.
@@ -74,12 +79,10 @@ pub struct MemoryCleanup {
 /// The engine.
 pub struct Engine {
     config: EngineConfig,
-    landing: Arc<dyn Tier>,
-    tiers: Vec<Arc<dyn Tier>>,
+    store: Arc<TierStack>,
     registrars: Vec<Arc<dyn Registrar>>,
     transports: Vec<Arc<dyn Transport>>,
     instances: RwLock<HashMap<Arc<str>, Arc<Instance>>>,
-    index: BlockIndex,
     inflight: Mutex<HashMap<BlockKey, Inflight>>,
     leases: LeaseTable,
     metrics: Arc<Metrics>,
@@ -98,39 +101,35 @@ impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
             .field("instances", &self.instances.read().len())
-            .field("index", &self.index)
+            .field("store", &self.store)
             .finish()
     }
 }
 
 impl Engine {
-    /// Builds the engine. The first tier must be host-addressable (the landing tier).
+    /// Builds the engine over its parts; starts the tier stack's demotion worker (on the
+    /// current tokio runtime) when there is a lower tier.
     pub fn new(parts: EngineParts) -> anyhow::Result<Arc<Self>> {
-        let landing = parts.tiers.first().cloned().ok_or_else(|| {
-            anyhow::anyhow!("the pipeline has no tier; add a [[tier]] kind = \"dram\"")
-        })?;
-        if !landing.capabilities().host_addressable {
-            anyhow::bail!(
-                "the first tier ({}) must be host-addressable (the landing tier, e.g. dram)",
-                landing.kind()
-            );
-        }
         parts
             .metrics
             .pool_capacity_bytes
-            .set(landing.capacity_bytes() as i64);
+            .set(parts.pool.capacity_bytes() as i64);
+        let store = TierStack::new(
+            parts.pool,
+            parts.lower_tiers,
+            parts.store,
+            parts.metrics.clone(),
+        );
         Ok(Arc::new(Self {
             leases: LeaseTable::new(
                 Duration::from_secs(parts.config.lease_ttl_secs),
                 parts.config.max_leases_per_instance,
             ),
             config: parts.config,
-            landing,
-            tiers: parts.tiers,
+            store,
             registrars: parts.registrars,
             transports: parts.transports,
             instances: RwLock::new(HashMap::new()),
-            index: BlockIndex::new(),
             inflight: Mutex::new(HashMap::new()),
             metrics: parts.metrics,
             reaper: Reaper::start(256),
@@ -146,19 +145,19 @@ impl Engine {
         &self.metrics
     }
 
-    /// The landing tier.
-    pub fn landing_tier(&self) -> &Arc<dyn Tier> {
-        &self.landing
+    /// The landing tier's host pool.
+    pub fn pool(&self) -> &Arc<dyn HostPool> {
+        self.store.pool()
     }
 
-    /// All tiers.
-    pub fn tiers(&self) -> &[Arc<dyn Tier>] {
-        &self.tiers
+    /// The tier stack (block store).
+    pub fn store(&self) -> &Arc<TierStack> {
+        &self.store
     }
 
-    /// The block index (read-only use: tests, benchmarks, metrics).
+    /// The host-DRAM block index (read-only use: tests, benchmarks, metrics).
     pub fn index(&self) -> &BlockIndex {
-        &self.index
+        self.store.index()
     }
 
     /// Live leases.
@@ -189,14 +188,14 @@ impl Engine {
     /// Refreshes the gauges derived from state (pool, index, leases, instances).
     pub fn update_gauges(&self) {
         let m = &self.metrics;
-        m.pool_capacity_bytes
-            .set(self.landing.capacity_bytes() as i64);
-        m.pool_used_bytes.set(self.landing.used_bytes() as i64);
+        let pool = self.store.pool();
+        m.pool_capacity_bytes.set(pool.capacity_bytes() as i64);
+        m.pool_used_bytes.set(pool.used_bytes() as i64);
         m.cache_resident_bytes
-            .set(self.index.resident_bytes() as i64);
+            .set(self.index().resident_bytes() as i64);
         m.cache_resident_blocks
             .with_label_values(&["retained"])
-            .set(self.index.resident_blocks() as i64);
+            .set(self.index().resident_blocks() as i64);
         m.leases_active.set(self.leases.len() as i64);
         let expired = self.leases.expired_total();
         m.leases_expired
@@ -238,59 +237,6 @@ impl Engine {
             m.fd_channel_pending.set(now.pending as i64);
             *seen = now;
         }
-    }
-
-    /// Allocates host buffers for `lens`, evicting least recently used unreferenced blocks
-    /// until they fit. RESOURCE_EXHAUSTED when everything resident is referenced.
-    fn allocate(&self, lens: &[usize]) -> EngineResult<Vec<HostBuffer>> {
-        let need: u64 = lens.iter().map(|&l| self.landing.footprint_bytes(l)).sum();
-        let cap = self.landing.capacity_bytes();
-        if need > cap {
-            self.metrics.pool_alloc_failures.inc();
-            return Err(EngineError::ResourceExhausted(format!(
-                "a save of {need} bytes exceeds the host tier's capacity of {cap} bytes"
-            )));
-        }
-        loop {
-            if let Some(b) = self.landing.allocate_batch(lens) {
-                return Ok(b);
-            }
-            // Evict least recently used blocks until the free bytes cover the request — at
-            // least one per round, since a concurrent save may take what was freed — then retry.
-            let mut evicted = 0u64;
-            while let Some(e) = self.index.evict_lru() {
-                self.note_eviction(&e.block, "pressure");
-                let before = self.landing.used_bytes();
-                drop(e);
-                let freed = before.saturating_sub(self.landing.used_bytes());
-                self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
-                evicted += 1;
-                if cap.saturating_sub(self.landing.used_bytes()) >= need {
-                    break;
-                }
-            }
-            if evicted == 0 {
-                if let Some(b) = self.landing.allocate_batch(lens) {
-                    return Ok(b);
-                }
-                self.metrics.pool_alloc_failures.inc();
-                return Err(EngineError::ResourceExhausted(format!(
-                    "host pool exhausted: {need} bytes needed, {} of {cap} free, and every resident block is leased, loading or still being saved",
-                    cap.saturating_sub(self.landing.used_bytes())
-                )));
-            }
-        }
-    }
-
-    fn note_eviction(&self, block: &SealedBlock, reason: &str) {
-        let m = &self.metrics;
-        m.cache_block_evictions.inc();
-        m.cache_block_evictions_by_class
-            .with_label_values(&["retained"])
-            .inc();
-        m.cache_residence_duration
-            .with_label_values(&[reason])
-            .observe(block.sealed_at.elapsed().as_secs_f64());
     }
 
     /// Runs a copy to completion on its own task, so a cancelled RPC can never drop the
@@ -378,12 +324,13 @@ impl Engine {
         (ids, tensors)
     }
 
-    /// Removes every block from the index (`POST /cache/memory/cleanup`). Leased blocks stay
-    /// allocated until loaded or released.
+    /// Removes every block from the DRAM index (`POST /cache/memory/cleanup`). Leased blocks
+    /// stay allocated until loaded or released; lower tiers keep what they hold.
     pub fn cleanup_memory(&self) -> MemoryCleanup {
         self.leases.sweep();
-        let before = self.landing.used_bytes();
-        let blocks = self.index.clear();
+        let pool = self.store.pool();
+        let before = pool.used_bytes();
+        let blocks = self.store.clear_dram();
         let mut r = MemoryCleanup::default();
         for b in &blocks {
             r.evicted_blocks += 1;
@@ -392,14 +339,13 @@ impl Engine {
                 r.still_referenced_blocks += 1;
                 self.metrics.cache_block_evictions_still_referenced.inc();
             }
-            self.note_eviction(b, "cleanup");
         }
         drop(blocks);
-        r.reclaimed_bytes = before.saturating_sub(self.landing.used_bytes());
+        r.reclaimed_bytes = before.saturating_sub(pool.used_bytes());
         self.metrics
             .cache_eviction_reclaimed_bytes
             .inc_by(r.reclaimed_bytes);
-        self.landing.trim();
+        pool.trim();
         self.update_gauges();
         r
     }
@@ -407,6 +353,13 @@ impl Engine {
     /// Waits until every Save accepted before this call has finished (sealed or failed).
     pub async fn flush(&self) {
         drop(self.flush_barrier.write().await);
+    }
+
+    /// [`Engine::flush`], then waits for the demotion queue to drain and flushes the lower
+    /// tiers.
+    pub async fn flush_tiers(&self) {
+        self.flush().await;
+        self.store.flush().await;
     }
 
     /// Periodic housekeeping: expired leases, stale unsealed blocks, gauges.
@@ -429,6 +382,7 @@ impl Engine {
         }
         self.metrics.inflight_gc_cleaned.inc_by(stale.len() as u64);
         drop(stale);
+        self.store.gc();
         self.update_gauges();
     }
 }

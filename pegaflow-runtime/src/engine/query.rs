@@ -3,9 +3,10 @@
 
 use pegaflow_proto as pb;
 
-use super::index::KeyRef;
 use super::Engine;
+use crate::block::KeyRef;
 use crate::error::{EngineError, EngineResult};
+use crate::store::PrefixAnswer;
 
 fn ready(num: u64, lease: Vec<u8>, hit_positions: Vec<u32>) -> pb::QueryResponse {
     pb::QueryResponse {
@@ -14,6 +15,12 @@ fn ready(num: u64, lease: Vec<u8>, hit_positions: Vec<u32>) -> pb::QueryResponse
             lease,
             hit_positions,
         })),
+    }
+}
+
+fn loading() -> pb::QueryResponse {
+    pb::QueryResponse {
+        outcome: Some(pb::query_response::Outcome::Loading(pb::QueryLoading {})),
     }
 }
 
@@ -30,23 +37,32 @@ impl Engine {
         }
         let ns: &str = &inst.namespace;
         if req.group_id == 0 {
-            let mut hits = Vec::new();
-            for h in &req.block_hashes {
-                match self.index.get_touch(KeyRef {
-                    namespace: ns,
-                    group: 0,
-                    hash: h,
-                }) {
-                    Some(b) => hits.push(b),
-                    None => break,
+            let hits = match self
+                .store
+                .query_prefix(&inst.namespace, &req.req_id, &req.block_hashes)
+                .await
+            {
+                PrefixAnswer::Ready(hits) => hits,
+                PrefixAnswer::Loading => {
+                    self.metrics
+                        .query_answers
+                        .with_label_values(&["loading"])
+                        .inc();
+                    return Ok(loading());
                 }
-            }
+            };
+            self.metrics
+                .query_answers
+                .with_label_values(&["ready"])
+                .inc();
             let n = hits.len() as u64;
             let total = req.block_hashes.len() as u64;
             self.metrics.cache_block_hits.inc_by(n);
             self.metrics.cache_block_misses.inc_by(total - n);
             let tiers = &self.metrics.cache_tier_block_requests;
-            tiers.with_label_values(&["ram"]).inc_by(n);
+            tiers
+                .with_label_values(&[self.store.pool().metric_label()])
+                .inc_by(n);
             tiers.with_label_values(&["miss"]).inc_by(total - n);
             if hits.is_empty() {
                 return Ok(ready(0, vec![], vec![]));
@@ -77,7 +93,7 @@ impl Engine {
         let mut hits = Vec::new();
         let mut positions = Vec::new();
         for (i, h) in req.block_hashes.iter().enumerate() {
-            if let Some(b) = self.index.get_touch(KeyRef {
+            if let Some(b) = self.store.get_touch(KeyRef {
                 namespace: ns,
                 group: req.group_id,
                 hash: h,

@@ -9,7 +9,9 @@ use pegaflow_proto as pb;
 use super::instance::{Instance, InstanceState, Topology, Worker, WorkerLayer};
 use super::Engine;
 use crate::error::{EngineError, EngineResult};
-use crate::plugin::{ImportRequest, NativeView, PayloadKind, RegistrarError, RegistrationPayload};
+use crate::plugin::{
+    ImportRequest, NativeView, PayloadCarrier, Registrar, RegistrarError, RegistrationPayload,
+};
 
 /// The published client's version this server speaks.
 pub const SERVER_VERSION: &str = pb::PUBLISHED_CLIENT_VERSION;
@@ -118,16 +120,12 @@ fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
                 "a registration carries either wrapper_bytes or native_kv_tensors, not both",
             ));
         }
-        let kind = match pb::MemoryKind::try_from(req.memory_kind) {
-            Ok(pb::MemoryKind::HostMemfd) => PayloadKind::HostMemfd,
-            Ok(pb::MemoryKind::CudaVmm) => PayloadKind::CudaVmm,
-            _ => {
-                return Err(EngineError::invalid(format!(
-                    "native registration needs memory_kind HOST_MEMFD or CUDA_VMM, got {}",
-                    req.memory_kind
-                )))
-            }
-        };
+        if req.memory_kind <= 0 {
+            return Err(EngineError::invalid(format!(
+                "native registration needs a memory_kind (field 102) > 0, got {}",
+                req.memory_kind
+            )));
+        }
         if req.native_kv_tensors.len() != n {
             return Err(EngineError::invalid(format!(
                 "native_kv_tensors has {} entries but layer_names has {n}",
@@ -142,11 +140,6 @@ fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
         }
         if req.native_alloc_size == 0 {
             return Err(EngineError::invalid("native_alloc_size must be > 0"));
-        }
-        if kind == PayloadKind::CudaVmm && (req.tp_size != 1 || req.world_size != 1) {
-            return Err(EngineError::invalid(
-                "native CUDA VMM registrations support one GPU and one fused allocation (tp_size = world_size = 1)",
-            ));
         }
         let mut views = Vec::with_capacity(n);
         for (i, t) in req.native_kv_tensors.iter().enumerate() {
@@ -168,8 +161,8 @@ fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
         }
         let strides = views.iter().map(|v| v.block_stride_bytes).collect();
         (
-            RegistrationPayload::Native {
-                kind,
+            RegistrationPayload::SideChannel {
+                memory_kind: req.memory_kind,
                 alloc_size: req.native_alloc_size,
                 views,
             },
@@ -183,7 +176,7 @@ fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
             )));
         }
         (
-            RegistrationPayload::CudaIpcWrappers(req.wrapper_bytes.clone()),
+            RegistrationPayload::LayerBlobs(req.wrapper_bytes.clone()),
             None,
         )
     };
@@ -205,6 +198,19 @@ fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
     })
 }
 
+/// An instance holds either per-layer-blob (Python client) or side-channel (native)
+/// registrations, never both.
+fn check_mix(i: &Instance, native: bool) -> EngineResult<()> {
+    if i.native != native {
+        return Err(EngineError::precondition(format!(
+            "instance {} already has {} registrations; an instance cannot mix Python (per-layer blob) and native (side-channel) registrations",
+            i.id,
+            if i.native { "native" } else { "Python" }
+        )));
+    }
+    Ok(())
+}
+
 impl Engine {
     /// Registers one worker's KV memory (RegisterContextBatch).
     ///
@@ -219,12 +225,27 @@ impl Engine {
                 return Err(e);
             }
         };
-        let kind = spec.payload.kind();
-        let native = kind != PayloadKind::CudaIpcWrapper;
+        let native = spec.payload.carrier() != PayloadCarrier::LayerBlobs;
+        let mixed = self
+            .instances
+            .read()
+            .get(req.instance_id.as_str())
+            .map_or(Ok(()), |i| check_mix(i, native));
+        if let Err(e) = mixed {
+            self.discard_pending_fd(&req);
+            return Err(e);
+        }
+        let registrar = match self.registrar_for(&req, &spec.payload) {
+            Ok(r) => r,
+            Err(e) => {
+                self.discard_pending_fd(&req);
+                return Err(e);
+            }
+        };
         // A refused reservation (e.g. the device is already registering) leaves the side
         // channel alone: the pending descriptor may belong to the registration in progress.
         let inst = self.reserve(&req, native, spec.transfer_mode)?;
-        let result = self.register_worker(&inst, &req, spec).await;
+        let result = self.register_worker(&inst, &req, spec, registrar).await;
         if let Err(e) = &result {
             self.discard_pending_fd(&req);
             // Map lock first, then the instance's state (the order `reserve` uses), so no
@@ -290,13 +311,7 @@ impl Engine {
                         i.id, i.namespace, req.namespace
                     )));
                 }
-                if i.native != native {
-                    return Err(EngineError::precondition(format!(
-                        "instance {} already has {} registrations; an instance cannot mix Python (CUDA IPC) and native registrations",
-                        i.id,
-                        if i.native { "native" } else { "Python" }
-                    )));
-                }
+                check_mix(i, native)?;
                 i.clone()
             }
             None => {
@@ -347,25 +362,59 @@ impl Engine {
         Ok(inst)
     }
 
+    /// The pipeline's registrar for what `payload` carries, with its declared limits checked
+    /// against the request (no side effect).
+    fn registrar_for(
+        &self,
+        req: &pb::RegisterContextRequest,
+        payload: &RegistrationPayload,
+    ) -> EngineResult<Arc<dyn Registrar>> {
+        let carrier = payload.carrier();
+        let registrar = self
+            .registrars
+            .iter()
+            .find(|r| r.scheme().carrier == carrier)
+            .cloned()
+            .ok_or_else(|| {
+                let here = self
+                    .registrars
+                    .iter()
+                    .map(|r| format!("{} ({})", r.kind(), r.scheme().carrier))
+                    .collect::<Vec<_>>()
+                    .join(", ");
+                let msg = format!(
+                    "{} registrations are not supported by this server: no registrar of the pipeline imports them (registrars here: {})",
+                    payload.describe(),
+                    if here.is_empty() { "none".to_string() } else { here }
+                );
+                match carrier {
+                    // An unknown native memory kind is the client's mistake; a missing Python
+                    // registrar is the server's configuration.
+                    PayloadCarrier::SideChannel { .. } => EngineError::invalid(msg),
+                    PayloadCarrier::LayerBlobs => EngineError::internal(msg),
+                }
+            })?;
+        if let Some(max) = registrar.traits().max_world_size {
+            if req.tp_size > max || req.world_size > max {
+                return Err(EngineError::invalid(format!(
+                    "{} registrations support at most {max} worker(s) per instance (tp_size = {}, world_size = {})",
+                    registrar.scheme().name,
+                    req.tp_size,
+                    req.world_size
+                )));
+            }
+        }
+        Ok(registrar)
+    }
+
     async fn register_worker(
         &self,
         inst: &Arc<Instance>,
         req: &pb::RegisterContextRequest,
         spec: Spec,
+        registrar: Arc<dyn Registrar>,
     ) -> EngineResult<()> {
-        let kind = spec.payload.kind();
-        let registrar = self
-            .registrars
-            .iter()
-            .find(|r| r.payload() == kind)
-            .ok_or_else(|| {
-                EngineError::internal(format!(
-                    "{} registrations are not supported by this server: the pipeline has no {} registrar (registrars here: {})",
-                    kind.name(),
-                    kind.name(),
-                    self.registrars.iter().map(|r| r.kind()).collect::<Vec<_>>().join(", ")
-                ))
-            })?;
+        let traits = registrar.traits();
         let regions = registrar
             .import(ImportRequest {
                 instance_id: req.instance_id.clone(),
@@ -389,7 +438,7 @@ impl Engine {
                 req.layer_names.len()
             )));
         }
-        match self.build_worker(kind, req, regions, spec.block_strides, &spec.groups) {
+        match self.build_worker(traits, req, regions, spec.block_strides, &spec.groups) {
             Ok(worker) => self.commit_worker(inst, worker).await,
             Err((e, regions)) => {
                 self.reaper.release(regions).await;
@@ -401,7 +450,7 @@ impl Engine {
     #[allow(clippy::type_complexity)]
     fn build_worker(
         &self,
-        kind: PayloadKind,
+        traits: crate::plugin::RegistrarTraits,
         req: &pb::RegisterContextRequest,
         regions: Vec<crate::plugin::LayerRegion>,
         strides: Option<Vec<u64>>,
@@ -422,7 +471,7 @@ impl Engine {
         else {
             return Err((
                 EngineError::internal(format!(
-                    "no transport in the pipeline can address {location:?} memory (transports here: {})",
+                    "no transport in the pipeline can address {location} memory (transports here: {})",
                     self.transports.iter().map(|t| t.kind()).collect::<Vec<_>>().join(", ")
                 )),
                 regions,
@@ -461,7 +510,7 @@ impl Engine {
             pp_rank: req.pp_rank,
             layers,
             transport,
-            payload: kind,
+            traits,
             location,
         })
     }

@@ -8,9 +8,9 @@ use std::time::Instant;
 
 use pegaflow_proto as pb;
 
-use super::index::{BlockKey, KeyRef, SealedBlock, Slot};
 use super::instance::WorkerLayer;
 use super::{Engine, Inflight};
+use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 use crate::buffer::HostBuffer;
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
@@ -187,7 +187,7 @@ impl Engine {
                         if let Some(&i) = by_key.get(&key) {
                             return Some(i);
                         }
-                        if self.index.contains(KeyRef {
+                        if self.store.contains(KeyRef {
                             namespace: ns,
                             group: layer.group,
                             hash,
@@ -244,7 +244,12 @@ impl Engine {
             return Ok(());
         }
         let lens: Vec<usize> = plans.iter().map(|p| p.len).collect();
-        let bufs: Vec<Arc<HostBuffer>> = self.allocate(&lens)?.into_iter().map(Arc::new).collect();
+        let bufs: Vec<Arc<HostBuffer>> = self
+            .store
+            .allocate(&lens)?
+            .into_iter()
+            .map(Arc::new)
+            .collect();
         let mut ops = Vec::new();
         for (p, buf) in plans.iter().zip(&bufs) {
             for &(layer, bid, off) in &p.parts {
@@ -305,7 +310,7 @@ impl Engine {
                 group: p.group,
                 hash: p.hash.into(),
             };
-            if self.index.contains(KeyRef {
+            if self.store.contains(KeyRef {
                 namespace: ns,
                 group: p.group,
                 hash: p.hash,
@@ -313,7 +318,7 @@ impl Engine {
                 continue; // sealed by a concurrent save meanwhile
             }
             let total = groups[p.group as usize].total_slots;
-            let fp = self.landing.footprint_bytes(buf.len());
+            let fp = self.store.pool().footprint_bytes(buf.len());
             let entry = inflight.entry(key.clone()).or_insert_with(|| Inflight {
                 slots: vec![None; total],
                 filled: 0,
@@ -359,9 +364,7 @@ impl Engine {
                     footprint: e.footprint,
                     sealed_at: Instant::now(),
                 });
-                if self.index.insert(key, block) {
-                    self.metrics.cache_block_insertions.inc();
-                }
+                self.store.insert_sealed(key, block);
             }
         }
         let bytes: u64 = inflight.values().map(|e| e.footprint).sum();

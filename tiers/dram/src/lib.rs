@@ -4,7 +4,8 @@
 //! commits pages lazily and a 30 GiB pool starts on a machine with less free memory), split
 //! into `shards` independently locked sub-pools, and the allocator that hands out
 //! [`HostBuffer`]s from it in 512-byte granules. Transports copy straight into these buffers
-//! on Save and out of them on Load; a CUDA transport pins [`Tier::backing_ranges`].
+//! on Save and out of them on Load; the runtime installs its
+//! [`HostPool::regions`] into every transport (a CUDA transport pins them).
 //!
 //! Must never: hand one byte to two live buffers, fail an allocation because of fragmentation
 //! (when no single free range fits, several are gathered into one buffer), report a wrong
@@ -12,7 +13,7 @@
 //! not decide what to evict: the engine's block index does, and frees buffers by dropping them.
 //!
 //! Settings (the `[[tier]]` table): `capacity` (size string or bytes, default `"30gb"`),
-//! `shards` (default 1), `eviction` (only `"lru"` in this build).
+//! `shards` (default 1). Eviction is the tier stack's (exact LRU), not a setting here.
 
 mod freelist;
 mod pool;
@@ -22,7 +23,7 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use pegaflow_runtime::config::size_setting;
 use pegaflow_runtime::{
-    HostBuffer, PluginOption, RuntimeContext, Tier, TierCapabilities, TierFactory,
+    BuiltTier, HostBuffer, HostPool, HostRegion, PluginOption, RuntimeContext, TierFactory,
 };
 
 pub use pool::{GRANULE, TRIM_MIN_EXTENT};
@@ -36,45 +37,7 @@ pub const DEFAULT_CAPACITY: u64 = 30 << 30;
 pub const MAX_SHARDS: usize = 4096;
 
 /// The setting keys a `dram` tier table may hold.
-pub const SETTING_KEYS: &[&str] = &["capacity", "shards", "eviction"];
-
-/// Which resident blocks the engine evicts first under memory pressure.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
-pub enum Eviction {
-    /// Least recently used first.
-    #[default]
-    Lru,
-}
-
-impl Eviction {
-    /// The policies this build supports, as they are spelled in the pipeline.
-    pub const SUPPORTED: &'static [&'static str] = &["lru"];
-
-    /// Parses a pipeline value (case-insensitive).
-    ///
-    /// # Errors
-    /// Any policy other than `lru` (e.g. `tinylfu`), naming what this build supports.
-    pub fn parse(s: &str) -> anyhow::Result<Self> {
-        match s.trim().to_ascii_lowercase().as_str() {
-            "lru" => Ok(Eviction::Lru),
-            _ => bail!(
-                "dram tier: eviction = {s:?} is not supported by this build; supported: {}",
-                Self::SUPPORTED
-                    .iter()
-                    .map(|p| format!("{p:?}"))
-                    .collect::<Vec<_>>()
-                    .join(", ")
-            ),
-        }
-    }
-
-    /// The pipeline spelling.
-    pub fn name(self) -> &'static str {
-        match self {
-            Eviction::Lru => "lru",
-        }
-    }
-}
+pub const SETTING_KEYS: &[&str] = &["capacity", "shards"];
 
 /// A `dram` tier's settings.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -83,8 +46,6 @@ pub struct DramSettings {
     pub capacity: u64,
     /// Independently locked sub-pools (≥ 1); allocations go round-robin with fallback.
     pub shards: usize,
-    /// Eviction policy the engine applies to this tier.
-    pub eviction: Eviction,
 }
 
 impl Default for DramSettings {
@@ -92,7 +53,6 @@ impl Default for DramSettings {
         Self {
             capacity: DEFAULT_CAPACITY,
             shards: 1,
-            eviction: Eviction::Lru,
         }
     }
 }
@@ -101,10 +61,17 @@ impl DramSettings {
     /// Reads the settings from a pipeline `[[tier]]` table (a `kind` key is ignored).
     ///
     /// # Errors
-    /// An unknown key (the message lists the valid keys), a malformed `capacity`, a `shards`
-    /// that is not an integer ≥ 1, or an unsupported `eviction`.
+    /// An unknown key (the message lists the valid keys; eviction is the tier stack's, exact
+    /// LRU, not a dram setting), a malformed `capacity`, or a `shards` that is not an
+    /// integer ≥ 1.
     pub fn from_table(table: &toml::Table) -> anyhow::Result<Self> {
         for key in table.keys() {
+            if key == "eviction" {
+                bail!(
+                    "dram tier: eviction is not a dram setting: the tier stack evicts in exact LRU order \
+                     (for frequency-based admission, add the \"admission\" layer to a lower tier)"
+                );
+            }
             if key != "kind" && !SETTING_KEYS.contains(&key.as_str()) {
                 bail!(
                     "dram tier: unknown setting {key:?}; valid settings: {}",
@@ -122,11 +89,6 @@ impl DramSettings {
                 s.shards = usize::try_from(*i).context("dram tier: shards out of range")?;
             }
             Some(v) => bail!("dram tier: shards must be an integer >= 1, got {v}"),
-        }
-        match table.get("eviction") {
-            None => {}
-            Some(toml::Value::String(p)) => s.eviction = Eviction::parse(p)?,
-            Some(v) => bail!("dram tier: eviction must be a string (supported: \"lru\"), got {v}"),
         }
         Ok(s)
     }
@@ -180,7 +142,6 @@ impl DramTier {
         tracing::info!(
             capacity_bytes = capacity,
             shards = settings.shards,
-            eviction = settings.eviction.name(),
             "dram tier mapped (committed lazily)"
         );
         Ok(Self {
@@ -205,9 +166,15 @@ impl DramTier {
         self.settings
     }
 
-    /// The eviction policy the engine should apply.
-    pub fn eviction(&self) -> Eviction {
-        self.settings.eviction
+    /// One buffer of `len` bytes (as [`HostPool::allocate_batch`] with one entry and no
+    /// alignment constraint).
+    pub fn allocate(&self, len: usize) -> Option<HostBuffer> {
+        self.pool.allocate_batch(&[len])?.pop()
+    }
+
+    /// `(address, length)` of the pool's one mapping.
+    pub fn backing_range(&self) -> (usize, usize) {
+        self.pool.backing()
     }
 
     /// Number of shards.
@@ -238,16 +205,13 @@ impl DramTier {
     }
 }
 
-impl Tier for DramTier {
+impl HostPool for DramTier {
     fn kind(&self) -> &'static str {
         "dram"
     }
 
-    fn capabilities(&self) -> TierCapabilities {
-        TierCapabilities {
-            host_addressable: true,
-            ..TierCapabilities::default()
-        }
+    fn metric_label(&self) -> &'static str {
+        "ram"
     }
 
     fn capacity_bytes(&self) -> u64 {
@@ -258,20 +222,32 @@ impl Tier for DramTier {
         self.pool.used() as u64
     }
 
+    fn free_bytes(&self) -> u64 {
+        (self.pool.capacity() as u64).saturating_sub(self.pool.used() as u64)
+    }
+
     fn footprint_bytes(&self, len: usize) -> u64 {
         footprint(len).map_or(u64::MAX, |f| f as u64)
     }
 
-    fn allocate(&self, len: usize) -> Option<HostBuffer> {
-        self.pool.allocate_batch(&[len])?.pop()
+    fn allocate_batch(&self, lens: &[usize], align: usize) -> Option<Vec<HostBuffer>> {
+        if !align.is_power_of_two() {
+            return None;
+        }
+        if align <= GRANULE {
+            self.pool.allocate_batch(lens)
+        } else {
+            self.pool.allocate_aligned(lens, align)
+        }
     }
 
-    fn allocate_batch(&self, lens: &[usize]) -> Option<Vec<HostBuffer>> {
-        self.pool.allocate_batch(lens)
-    }
-
-    fn backing_ranges(&self) -> Vec<(usize, usize)> {
-        vec![self.pool.backing()]
+    fn regions(&self) -> Vec<HostRegion> {
+        let (addr, len) = self.pool.backing();
+        vec![HostRegion {
+            addr,
+            len,
+            owner: self.pool.clone(),
+        }]
     }
 
     fn trim(&self) {
@@ -284,9 +260,9 @@ impl Tier for DramTier {
 ///
 /// # Errors
 /// As those two.
-pub fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Tier>> {
+pub fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<BuiltTier> {
     let settings = DramSettings::from_table(table)?;
-    Ok(Arc::new(DramTier::new(settings)?))
+    Ok(BuiltTier::Landing(Arc::new(DramTier::new(settings)?)))
 }
 
 inventory::submit! {
@@ -303,11 +279,6 @@ inventory::submit! {
                 name: "shards",
                 default: "1",
                 help: "independently locked sub-pools, used round-robin with fallback",
-            },
-            PluginOption {
-                name: "eviction",
-                default: "\"lru\"",
-                help: "eviction policy; this build supports \"lru\" only",
             },
         ],
         build,

@@ -311,6 +311,58 @@ impl Pool {
         )
     }
 
+    /// One buffer per entry of `lens`, all or nothing, each a single extent whose address is a
+    /// multiple of `align` (a power of two above [`GRANULE`]). Each buffer is cut from one
+    /// free range with room for the alignment; the unaligned head and tail go straight back.
+    /// `None` when no shard has such a range for some buffer (nothing stays allocated).
+    pub(crate) fn allocate_aligned(
+        self: &Arc<Self>,
+        lens: &[usize],
+        align: usize,
+    ) -> Option<Vec<HostBuffer>> {
+        debug_assert!(align.is_power_of_two() && align > GRANULE);
+        let owner: Arc<dyn HostMemory> = self.clone();
+        let mut out = Vec::with_capacity(lens.len());
+        for &len in lens {
+            let fp = footprint(len)?;
+            let want = fp.checked_add(align - GRANULE)?;
+            let mut got = None;
+            for shard in self.shards.iter() {
+                let mut fl = shard.free.lock();
+                if fl.free_bytes() < want {
+                    continue;
+                }
+                let Some(off) = fl.take_best_fit(want) else {
+                    continue;
+                };
+                let addr = self.map.addr + off;
+                let aligned = addr.next_multiple_of(align) - self.map.addr;
+                let (head, tail) = (aligned - off, want - (aligned - off) - fp);
+                if head > 0 && fl.give_back(off, head).is_err() {
+                    tracing::error!(off, head, "dram pool: aligned head overlaps free memory");
+                }
+                if tail > 0 && fl.give_back(aligned + fp, tail).is_err() {
+                    tracing::error!(off, tail, "dram pool: aligned tail overlaps free memory");
+                }
+                got = Some(aligned);
+                break;
+            }
+            let Some(off) = got else {
+                // Dropping the buffers made so far gives their ranges back.
+                return None;
+            };
+            self.used.fetch_add(fp, Ordering::Relaxed);
+            out.push(HostBuffer::new(
+                vec![Extent {
+                    addr: self.map.addr + off,
+                    len,
+                }],
+                owner.clone(),
+            ));
+        }
+        Some(out)
+    }
+
     /// Checks a returned extent and gives the offset and reserved length it stands for.
     fn reserved_range(&self, e: &Extent) -> Option<(usize, usize)> {
         let off = e.addr.checked_sub(self.map.addr)?;

@@ -6,12 +6,7 @@ use pegaflow_runtime::Extent;
 use proptest::prelude::*;
 
 fn tier(capacity: u64, shards: usize) -> DramTier {
-    DramTier::new(DramSettings {
-        capacity,
-        shards,
-        eviction: Eviction::Lru,
-    })
-    .expect("tier builds")
+    DramTier::new(DramSettings { capacity, shards }).expect("tier builds")
 }
 
 fn table(text: &str) -> toml::Table {
@@ -77,8 +72,8 @@ fn capacity_rounds_down_and_accounts_exactly() {
     let t = tier(10_000, 1);
     assert_eq!(t.capacity_bytes(), 9728);
     assert_eq!(t.kind(), "dram");
-    assert!(t.capabilities().host_addressable);
-    assert!(!t.capabilities().persistent && !t.capabilities().remote);
+    assert_eq!(t.metric_label(), "ram");
+    assert_eq!(t.free_bytes(), 9728);
     let a = t.allocate(700).unwrap();
     assert_eq!(a.len(), 700);
     assert_eq!(a.extents().len(), 1);
@@ -158,7 +153,7 @@ fn fragmented_free_space_is_gathered_into_one_buffer() {
     }
     assert!(check(&big, 7));
     let live: Vec<&HostBuffer> = bufs.iter().flatten().chain([&big]).collect();
-    assert_disjoint(&live, t.backing_ranges()[0]);
+    assert_disjoint(&live, t.backing_range());
     drop(big);
     assert_eq!(t.used_bytes(), 32 * 1024);
     bufs.clear();
@@ -186,7 +181,7 @@ fn gathered_buffer_trims_only_its_last_extent() {
 fn batch_is_carved_contiguously_and_frees_per_block() {
     let t = tier(1 << 20, 1);
     let lens = vec![4096; 8];
-    let bufs = t.allocate_batch(&lens).unwrap();
+    let bufs = t.allocate_batch(&lens, 1).unwrap();
     assert_eq!(bufs.len(), 8);
     let base = bufs[0].extents()[0].addr;
     for (i, b) in bufs.iter().enumerate() {
@@ -211,7 +206,7 @@ fn batch_is_carved_contiguously_and_frees_per_block() {
 fn batch_with_odd_lengths_reserves_each_footprint() {
     let t = tier(64 * 1024, 1);
     let lens = [100, 0, 513, 4096, 1];
-    let bufs = t.allocate_batch(&lens).unwrap();
+    let bufs = t.allocate_batch(&lens, 1).unwrap();
     let got: Vec<usize> = bufs.iter().map(HostBuffer::len).collect();
     assert_eq!(got, lens);
     assert_eq!(t.used_bytes(), 512 + 1024 + 4096 + 512);
@@ -229,9 +224,9 @@ fn batch_with_odd_lengths_reserves_each_footprint() {
 fn batch_is_all_or_nothing() {
     let t = tier(16 * 1024, 1);
     let held = t.allocate(10 * 1024).unwrap();
-    assert!(t.allocate_batch(&[4096, 4096]).is_none());
+    assert!(t.allocate_batch(&[4096, 4096], 1).is_none());
     assert_eq!(t.used_bytes(), 10 * 1024);
-    let ok = t.allocate_batch(&[4096, 2048]).unwrap();
+    let ok = t.allocate_batch(&[4096, 2048], 1).unwrap();
     assert_eq!(t.used_bytes(), 16 * 1024);
     drop((held, ok));
     assert_eq!(t.used_bytes(), 0);
@@ -284,8 +279,9 @@ fn buffers_outlive_the_tier_handle() {
 #[test]
 fn backing_range_covers_every_extent() {
     let t = tier(1 << 20, 2);
-    let ranges = t.backing_ranges();
-    assert_eq!(ranges.len(), 1);
+    let ranges = [t.backing_range()];
+    assert_eq!(t.regions().len(), 1);
+    assert_eq!(t.regions()[0].addr, ranges[0].0);
     assert_eq!(ranges[0].1, 1 << 20);
     assert_eq!(ranges[0].0 % 4096, 0, "page-aligned");
     let bufs: Vec<_> = (0..10)
@@ -368,15 +364,48 @@ fn default_settings_and_factory() {
     let names: Vec<&str> = f.options.iter().map(|o| o.name).collect();
     assert_eq!(names, SETTING_KEYS);
     // The default 30 GiB pool starts regardless of free memory.
-    let t = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
+    let landing = |b: BuiltTier| match b {
+        BuiltTier::Landing(p) => p,
+        BuiltTier::Block(_) => panic!("dram builds a landing pool"),
+    };
+    let t = landing((f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap());
     assert_eq!(t.capacity_bytes(), 30 << 30);
-    let t = (f.build)(
-        &table("kind = \"dram\"\ncapacity = \"1.5mb\"\nshards = 3\neviction = \"LRU\""),
-        &RuntimeContext::default(),
-    )
-    .unwrap();
+    let t = landing(
+        (f.build)(
+            &table("kind = \"dram\"\ncapacity = \"1.5mb\"\nshards = 3"),
+            &RuntimeContext::default(),
+        )
+        .unwrap(),
+    );
     assert_eq!(t.capacity_bytes(), 3 << 19);
     assert!(pegaflow_runtime::describe_plugins().contains("dram"));
+}
+
+#[test]
+fn aligned_allocations_start_on_the_alignment() {
+    let t = tier(4 << 20, 2);
+    // Misalign the free space first.
+    let _a = t.allocate(700).unwrap();
+    let bufs = t.allocate_batch(&[5000, 4096, 1], 4096).unwrap();
+    for b in &bufs {
+        assert_eq!(b.extents().len(), 1);
+        assert_eq!(b.extents()[0].addr % 4096, 0, "aligned");
+    }
+    assert_eq!(bufs[0].len(), 5000);
+    let used = t.used_bytes();
+    assert_eq!(
+        used,
+        1024 + 5120 + 4096 + 512,
+        "only the footprints are used"
+    );
+    drop(bufs);
+    assert_eq!(t.used_bytes(), 1024);
+    assert!(t.allocate_batch(&[1], 3).is_none(), "not a power of two");
+    assert!(
+        t.allocate_batch(&[8 << 20], 4096).is_none(),
+        "larger than the pool"
+    );
+    assert_eq!(t.used_bytes(), 1024, "a refused batch allocates nothing");
 }
 
 #[test]
@@ -394,14 +423,11 @@ fn build_err(text: &str) -> String {
 
 #[test]
 fn bad_settings_are_rejected_clearly() {
-    let e = build_err("eviction = \"tinylfu\"");
-    assert!(
-        e.contains("tinylfu") && e.contains("\"lru\"") && e.contains("not supported"),
-        "{e}"
-    );
+    let e = build_err("eviction = \"lru\"");
+    assert!(e.contains("eviction") && e.contains("tier stack"), "{e}");
     let e = build_err("capacty = \"1gb\"");
     assert!(
-        e.contains("capacty") && e.contains("capacity, shards, eviction"),
+        e.contains("capacty") && e.contains("capacity, shards"),
         "{e}"
     );
     let e = build_err("shards = 0");
@@ -416,8 +442,6 @@ fn bad_settings_are_rejected_clearly() {
     assert!(e.contains("between 1 and 2"), "{e}");
     let e = build_err("capacity = -5");
     assert!(e.contains("capacity"), "{e}");
-    let e = build_err("eviction = 3");
-    assert!(e.contains("eviction must be a string"), "{e}");
     let e = build_err("shards = 5000");
     assert!(e.contains("between 1 and 4096"), "{e}");
 }
@@ -452,7 +476,7 @@ proptest! {
     ) {
         let t = tier((granules * GRANULE) as u64, shards);
         let cap = t.capacity_bytes();
-        let backing = t.backing_ranges()[0];
+        let backing = t.backing_range();
         let mut live: Vec<(HostBuffer, u32)> = Vec::new();
         let mut next_id = 0u32;
         let mut expect_used = 0u64;
@@ -475,7 +499,7 @@ proptest! {
                 Op::Batch(lens) => {
                     let fp: u64 = lens.iter().map(|&l| t.footprint_bytes(l)).sum();
                     let free = cap - t.used_bytes();
-                    match t.allocate_batch(&lens) {
+                    match t.allocate_batch(&lens, 1) {
                         None => prop_assert!(free < fp, "batch None with {free} free for {fp}"),
                         Some(bufs) => {
                             prop_assert_eq!(bufs.len(), lens.len());

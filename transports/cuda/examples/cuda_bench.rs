@@ -11,7 +11,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::{CopyBatch, CopyOp, Direction, MemoryLocation, RuntimeContext, Tier};
+use pegaflow_runtime::{CopyBatch, CopyOp, Direction, RuntimeContext, Transport};
 use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::{
     driver, CopyPath, CudaTransport, CudaTransportConfig, KernelPath, Policy,
@@ -106,16 +106,14 @@ fn main() -> anyhow::Result<()> {
     if a.pin_gib > 0 {
         for &threads in &a.pin_threads {
             let arena = Arc::new(HostArena::new(a.pin_gib << 30)?);
-            let ctx = RuntimeContext {
-                landing_tier: Some(arena.clone() as Arc<dyn Tier>),
-                ..Default::default()
-            };
+            let ctx = RuntimeContext::default();
             let cfg = CudaTransportConfig {
                 pin_threads: threads,
                 ..Default::default()
             };
             let t0 = Instant::now();
             let t = CudaTransport::new(cfg, &ctx);
+            t.install_host_memory(&arena.regions()).unwrap();
             let returned = t0.elapsed().as_secs_f64();
             let ok = t.wait_pinned(Duration::from_secs(300));
             let secs = t0.elapsed().as_secs_f64();
@@ -170,10 +168,7 @@ fn main() -> anyhow::Result<()> {
             p => anyhow::bail!("unknown path {p}"),
         };
         let arena = Arc::new(HostArena::new(a.blocks * block_host)?);
-        let ctx = RuntimeContext {
-            landing_tier: Some(arena.clone() as Arc<dyn Tier>),
-            ..Default::default()
-        };
+        let ctx = RuntimeContext::default();
         let cfg = CudaTransportConfig {
             policy,
             kernel_path,
@@ -183,6 +178,7 @@ fn main() -> anyhow::Result<()> {
         };
         let t0 = Instant::now();
         let t = CudaTransport::new(cfg, &ctx);
+        t.install_host_memory(&arena.regions()).unwrap();
         t.wait_pinned(Duration::from_secs(300));
         let pin_s = t0.elapsed().as_secs_f64();
         let ops_for = |first: usize, ids: &[usize]| -> Vec<CopyOp> {
@@ -208,7 +204,7 @@ fn main() -> anyhow::Result<()> {
                 let end = (first + a.batch).min(a.blocks);
                 let rep = rt
                     .block_on(t.copy_with_report(CopyBatch {
-                        location: MemoryLocation::CudaDevice { ordinal: 0 },
+                        location: pegaflow_transport_cuda::cuda_space(0),
                         direction,
                         mode: TransferMode::Kernel,
                         ops: ops_for(first, &ids[first..end]),

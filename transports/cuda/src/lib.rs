@@ -1,13 +1,14 @@
 //! `pegaflow-transport-cuda`: the CUDA backends of the KV-cache server.
 //!
 //! - registrar kind `cuda-ipc` ([`CudaIpcRegistrar`]): imports the published Python client's
-//!   pickled `CudaIPCWrapper`s ([`wrapper`]) as CUDA IPC mappings whose regions live in
-//!   [`pegaflow_runtime::MemoryLocation::CudaDevice`] memory;
+//!   pickled `CudaIPCWrapper`s ([`wrapper`]) as CUDA IPC mappings whose regions live in the
+//!   [`CUDA_DOMAIN`] memory space ([`cuda_space`]);
 //! - registrar kind `cuda-vmm` ([`CudaVmmRegistrar`]): imports a native engine's CUDA VMM
 //!   allocation, sent as a POSIX fd on the side channel, and maps it (fence → drain → unmap on
 //!   the `cuda-registry` thread);
 //! - transport kind `cuda` ([`CudaTransport`]): moves Save/Load batches between that memory
-//!   and the landing tier's host buffers, pinning the tier in the background.
+//!   and the landing tier's host buffers, pinning the host memory the runtime installs in the
+//!   background.
 //!
 //! The CUDA driver (libcuda) is loaded at run time through cudarc: this crate builds and its
 //! unit tests run on machines without CUDA. Every entry point checks the driver first
@@ -35,6 +36,18 @@ pub mod vmm;
 pub mod wrapper;
 
 pub use driver::{driver, CudaError, DeviceInfo, Driver};
+
+use pegaflow_runtime::MemorySpace;
+
+/// The memory-space domain of CUDA device memory this crate declares: registrations of its
+/// registrars live there, and its transport addresses it. The ordinal is the CUDA device
+/// ordinal in this process.
+pub const CUDA_DOMAIN: &str = "cuda";
+
+/// The memory space of CUDA device `ordinal`.
+pub const fn cuda_space(ordinal: i32) -> MemorySpace {
+    MemorySpace::new(CUDA_DOMAIN, ordinal)
+}
 pub use registrar::{CudaIpcRegistrar, IpcMapping};
 pub use transport::{CopyPath, CopyReport, CudaTransport, CudaTransportConfig, KernelPath, Policy};
 pub use vmm::CudaVmmRegistrar;

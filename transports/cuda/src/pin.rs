@@ -16,7 +16,6 @@ use std::time::{Duration, Instant};
 
 use cudarc::driver::sys;
 use parking_lot::{Condvar, Mutex};
-use pegaflow_runtime::Tier;
 
 use crate::driver::{check, Driver};
 
@@ -110,7 +109,7 @@ pub struct PinSet {
     pinned_bytes: AtomicUsize,
     ordinal: i32,
     driver: &'static Driver,
-    tier: Option<Arc<dyn Tier>>,
+    tier: Option<Arc<dyn std::any::Any + Send + Sync>>,
 }
 
 impl std::fmt::Debug for PinSet {
@@ -132,7 +131,7 @@ impl PinSet {
         ranges: &[(usize, usize)],
         max_chunk: usize,
         threads: usize,
-        tier: Option<Arc<dyn Tier>>,
+        tier: Option<Arc<dyn std::any::Any + Send + Sync>>,
     ) -> Arc<PinSet> {
         let threads = threads.max(1);
         let chunks: Vec<PinChunk> = split_ranges(ranges, max_chunk, threads)

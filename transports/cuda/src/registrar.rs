@@ -18,8 +18,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemoryLocation, PayloadKind, Registrar, RegistrarError,
-    RegistrarFactory, Registration, RegistrationPayload, RuntimeContext,
+    ImportRequest, LayerRegion, MemorySpace, PayloadCarrier, PayloadScheme, Registrar,
+    RegistrarError, RegistrarFactory, RegistrarTraits, Registration, RegistrationPayload,
+    RuntimeContext,
 };
 
 use crate::driver::{driver, Registry};
@@ -43,10 +44,8 @@ impl std::fmt::Debug for IpcMapping {
 }
 
 impl Registration for IpcMapping {
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::CudaDevice {
-            ordinal: self.ordinal,
-        }
+    fn location(&self) -> MemorySpace {
+        crate::cuda_space(self.ordinal)
     }
     fn base_addr(&self) -> u64 {
         self.base
@@ -106,15 +105,22 @@ impl Registrar for CudaIpcRegistrar {
         "cuda-ipc"
     }
 
-    fn payload(&self) -> PayloadKind {
-        PayloadKind::CudaIpcWrapper
+    fn scheme(&self) -> PayloadScheme {
+        PayloadScheme {
+            name: "cuda-ipc",
+            carrier: PayloadCarrier::LayerBlobs,
+        }
+    }
+
+    fn traits(&self) -> RegistrarTraits {
+        RegistrarTraits::default()
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let RegistrationPayload::CudaIpcWrappers(pickles) = &req.payload else {
+        let RegistrationPayload::LayerBlobs(pickles) = &req.payload else {
             return Err(RegistrarError::Invalid(format!(
                 "the cuda-ipc registrar imports CudaIPCWrapper pickles, not {} payloads",
-                req.payload.kind().name()
+                req.payload.describe()
             )));
         };
         if pickles.is_empty() {
@@ -271,7 +277,7 @@ mod tests {
         ImportRequest {
             instance_id: "i".into(),
             device_id: 0,
-            payload: RegistrationPayload::CudaIpcWrappers(p),
+            payload: RegistrationPayload::LayerBlobs(p),
         }
     }
 
@@ -301,8 +307,8 @@ mod tests {
         let e = block_on(r.import(ImportRequest {
             instance_id: "i".into(),
             device_id: 0,
-            payload: RegistrationPayload::Native {
-                kind: PayloadKind::HostMemfd,
+            payload: RegistrationPayload::SideChannel {
+                memory_kind: 1,
                 alloc_size: 0,
                 views: vec![],
             },
@@ -330,7 +336,7 @@ mod tests {
         let f = pegaflow_runtime::registrar_factory("cuda-ipc").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "cuda-ipc");
-        assert_eq!(r.payload(), PayloadKind::CudaIpcWrapper);
+        assert_eq!(r.scheme().carrier, PayloadCarrier::LayerBlobs);
         let mut t = toml::Table::new();
         t.insert("bogus".into(), toml::Value::Integer(1));
         assert!((f.build)(&t, &RuntimeContext::default()).is_err());

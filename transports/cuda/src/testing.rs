@@ -1,8 +1,8 @@
 //! Helpers for this crate's GPU tests and bench (and for integration tests elsewhere): a host
 //! arena that poses as a landing tier, and a plain device allocation.
 //!
-//! Owns: an anonymous host mapping exposed through [`Tier::backing_ranges`] so the `cuda`
-//! transport pins it exactly as it pins the DRAM tier, and [`DeviceBuffer`], a `cuMemAlloc`
+//! Owns: an anonymous host mapping exposed as [`HostRegion`]s so the `cuda` transport pins
+//! it exactly as it pins the DRAM pool, and [`DeviceBuffer`], a `cuMemAlloc`
 //! allocation with blocking upload/download.
 //!
 //! Must never: be used by the server itself (it allocates nothing through the tier API and
@@ -11,12 +11,12 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use pegaflow_runtime::{HostBuffer, Tier, TierCapabilities};
+use pegaflow_runtime::HostRegion;
 
 use crate::driver::{check, driver, CudaError};
 
-/// An anonymous, page-aligned host mapping posing as a host-addressable tier (it hands out no
-/// buffers; it only reports its backing range for pinning).
+/// An anonymous, page-aligned host mapping posing as a landing pool's memory (it hands out no
+/// buffers; it only publishes its range for pinning).
 #[derive(Debug)]
 pub struct HostArena {
     addr: usize,
@@ -91,27 +91,15 @@ impl Drop for HostArena {
     }
 }
 
-impl Tier for HostArena {
-    fn kind(&self) -> &'static str {
-        "test-arena"
-    }
-    fn capabilities(&self) -> TierCapabilities {
-        TierCapabilities {
-            host_addressable: true,
-            ..Default::default()
-        }
-    }
-    fn capacity_bytes(&self) -> u64 {
-        self.len as u64
-    }
-    fn used_bytes(&self) -> u64 {
-        0
-    }
-    fn allocate(&self, _len: usize) -> Option<HostBuffer> {
-        None
-    }
-    fn backing_ranges(&self) -> Vec<(usize, usize)> {
-        vec![(self.addr, self.len)]
+impl HostArena {
+    /// The arena as the host memory a runtime installs into a transport
+    /// ([`pegaflow_runtime::Transport::install_host_memory`]); the region keeps it mapped.
+    pub fn regions(self: &std::sync::Arc<Self>) -> Vec<HostRegion> {
+        vec![HostRegion {
+            addr: self.addr,
+            len: self.len,
+            owner: self.clone(),
+        }]
     }
 }
 

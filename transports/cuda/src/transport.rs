@@ -18,7 +18,7 @@
 use std::collections::HashMap;
 use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
 use async_trait::async_trait;
@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::config::size_setting;
 use pegaflow_runtime::{
-    CopyBatch, CopyOp, Direction, MemoryLocation, PluginOption, RuntimeContext, Transport,
+    CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, PluginOption, RuntimeContext, Transport,
     TransportError, TransportFactory,
 };
 use tokio::sync::{mpsc, oneshot};
@@ -35,6 +35,7 @@ use tokio::sync::{mpsc, oneshot};
 use crate::driver::{check, driver, CudaError, Driver};
 use crate::pin::{PinSet, PinState, MAX_PIN_CHUNK};
 use crate::plan::{merge_ops, merged_stats, push_descs, split_at_boundaries, Desc, StagedPlan};
+use crate::CUDA_DOMAIN;
 
 /// The copy kernel's PTX (generated from `kernels.cu`, see `examples/gen_ptx.rs`).
 pub const KERNEL_PTX: &str = include_str!("kernels.ptx");
@@ -279,7 +280,8 @@ struct Job {
 struct Shared {
     driver: &'static Driver,
     cfg: CudaTransportConfig,
-    pins: Option<Arc<PinSet>>,
+    /// The installed host memory's pinned set (set once, by `install_host_memory`).
+    pins: OnceLock<Arc<PinSet>>,
     allowed: Option<Vec<i32>>,
     workers: Mutex<HashMap<(i32, bool), mpsc::Sender<Job>>>,
 }
@@ -305,45 +307,52 @@ impl std::fmt::Debug for CudaTransport {
 
 impl CudaTransport {
     /// Builds the transport. Without a driver it still builds (and logs a warning): every copy
-    /// then fails with "CUDA driver not available: ...". With one, pinning of
-    /// `ctx.landing_tier`'s backing ranges starts in the background (when `cfg.pin`).
+    /// then fails with "CUDA driver not available: ...". Host memory arrives later, through
+    /// [`Transport::install_host_memory`], which starts pinning it in the background (when
+    /// `cfg.pin`) and the copy workers of every served device.
     pub fn new(cfg: CudaTransportConfig, ctx: &RuntimeContext) -> Self {
         let shared = driver().map(|drv| {
-            let allowed = ctx.devices.clone();
-            let pin_dev = match &allowed {
-                Some(v) => v.first().copied(),
-                None => drv.devices().first().map(|d| d.ordinal),
-            };
-            let pins = match (&ctx.landing_tier, pin_dev, cfg.pin) {
-                (Some(tier), Some(dev), true) => {
-                    let ranges = tier.backing_ranges();
-                    (!ranges.is_empty()).then(|| {
-                        PinSet::start(
-                            drv,
-                            dev,
-                            &ranges,
-                            cfg.pin_chunk,
-                            cfg.pin_threads,
-                            Some(tier.clone()),
-                        )
-                    })
-                }
-                _ => None,
-            };
             Arc::new(Shared {
                 driver: drv,
                 cfg,
-                pins,
-                allowed,
+                pins: OnceLock::new(),
+                allowed: ctx.devices.clone(),
                 workers: Mutex::new(HashMap::new()),
             })
         });
         if let Err(e) = &shared {
             tracing::warn!("cuda transport: copies will fail: {e}");
         }
-        let t = Self { shared };
-        t.warm_up();
-        t
+        Self { shared }
+    }
+
+    /// Starts pinning `regions` on the first served device (in the background, when
+    /// `cfg.pin`), then the copy workers. A second call pins nothing more.
+    fn install(&self, regions: &[HostRegion]) {
+        let Ok(s) = &self.shared else { return };
+        let pin_dev = match &s.allowed {
+            Some(v) => v.first().copied(),
+            None => s.driver.devices().first().map(|d| d.ordinal),
+        };
+        if let (Some(dev), true, false) = (pin_dev, s.cfg.pin, regions.is_empty()) {
+            let ranges: Vec<(usize, usize)> = regions.iter().map(|r| r.range()).collect();
+            let owners: Vec<_> = regions.iter().map(|r| r.owner.clone()).collect();
+            let set = PinSet::start(
+                s.driver,
+                dev,
+                &ranges,
+                s.cfg.pin_chunk,
+                s.cfg.pin_threads,
+                Some(Arc::new(owners)),
+            );
+            if s.pins.set(set.clone()).is_err() {
+                set.cancel();
+                tracing::warn!(
+                    "cuda transport: host memory was already installed; ignoring a second set"
+                );
+            }
+        }
+        self.warm_up();
     }
 
     /// Starts both copy workers of every served device now, in their own threads, so that the
@@ -369,9 +378,9 @@ impl CudaTransport {
         Ok(Arc::new(Self::new(cfg, ctx)))
     }
 
-    /// The pinned set of the landing tier, if pinning started.
+    /// The pinned set of the installed host memory, if pinning started.
     pub fn pins(&self) -> Option<&Arc<PinSet>> {
-        self.shared.as_ref().ok().and_then(|s| s.pins.as_ref())
+        self.shared.as_ref().ok().and_then(|s| s.pins.get())
     }
 
     /// Waits (blocking) until the landing tier's pinning finished, at most `timeout`; true when
@@ -404,7 +413,7 @@ impl CudaTransport {
         }
         let (tx, rx) = mpsc::channel(s.cfg.queue_depth);
         let cfg = s.cfg.clone();
-        let pins = s.pins.clone();
+        let pins = s.pins.get().cloned();
         let drv = s.driver;
         std::thread::Builder::new()
             .name(format!(
@@ -423,12 +432,13 @@ impl CudaTransport {
     /// Errors: [`TransportError`] when the driver is missing, the device is not served, or any
     /// CUDA call fails (the batch then counts as failed as a whole).
     pub async fn copy_with_report(&self, batch: CopyBatch) -> Result<CopyReport, TransportError> {
-        let MemoryLocation::CudaDevice { ordinal } = batch.location else {
+        if batch.location.domain != CUDA_DOMAIN {
             return Err(TransportError(format!(
-                "the cuda transport cannot address {:?} memory",
+                "the cuda transport cannot address {} memory",
                 batch.location
             )));
-        };
+        }
+        let ordinal = batch.location.ordinal;
         if batch.ops.iter().all(|o| o.len == 0) {
             return Ok(CopyReport {
                 path: CopyPath::Empty,
@@ -455,8 +465,13 @@ impl Transport for CudaTransport {
         "cuda"
     }
 
-    fn can_address(&self, location: MemoryLocation) -> bool {
-        matches!(location, MemoryLocation::CudaDevice { .. })
+    fn can_address(&self, space: MemorySpace) -> bool {
+        space.domain == CUDA_DOMAIN
+    }
+
+    fn install_host_memory(&self, regions: &[HostRegion]) -> Result<(), TransportError> {
+        self.install(regions);
+        Ok(())
     }
 
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
@@ -467,7 +482,7 @@ impl Transport for CudaTransport {
 impl Drop for CudaTransport {
     fn drop(&mut self) {
         if let Ok(s) = &self.shared {
-            if let Some(p) = &s.pins {
+            if let Some(p) = s.pins.get() {
                 p.cancel();
             }
         }
@@ -1078,6 +1093,7 @@ fn dev_free(b: &DevBuf) {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::cuda_space;
 
     #[test]
     fn config_parsing() {
@@ -1123,8 +1139,8 @@ direct_min_bytes = "1mb""#,
         let f = pegaflow_runtime::transport_factory("cuda").unwrap();
         let t = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(t.kind(), "cuda");
-        assert!(t.can_address(MemoryLocation::CudaDevice { ordinal: 0 }));
-        assert!(!t.can_address(MemoryLocation::Host));
+        assert!(t.can_address(cuda_space(0)));
+        assert!(!t.can_address(MemorySpace::HOST));
         if driver().is_ok() {
             return;
         }
@@ -1133,7 +1149,7 @@ direct_min_bytes = "1mb""#,
             .unwrap();
         let mut buf = vec![0u8; 16];
         let batch = CopyBatch {
-            location: MemoryLocation::CudaDevice { ordinal: 0 },
+            location: cuda_space(0),
             direction: Direction::ToHost,
             mode: TransferMode::Kernel,
             ops: vec![CopyOp {

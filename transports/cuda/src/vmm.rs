@@ -34,8 +34,9 @@ use cudarc::driver::sys;
 use parking_lot::Mutex;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemoryLocation, NativeImport, PayloadKind, PluginOption, Registrar,
-    RegistrarError, RegistrarFactory, Registration, RuntimeContext,
+    ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier, PayloadScheme,
+    PluginOption, Registrar, RegistrarError, RegistrarFactory, RegistrarTraits, Registration,
+    RuntimeContext,
 };
 
 use crate::driver::{check, driver, CudaError, Driver, Registry};
@@ -175,10 +176,8 @@ impl std::fmt::Debug for VmmMapping {
 }
 
 impl Registration for VmmMapping {
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::CudaDevice {
-            ordinal: self.ordinal,
-        }
+    fn location(&self) -> MemorySpace {
+        crate::cuda_space(self.ordinal)
     }
     fn base_addr(&self) -> u64 {
         self.base
@@ -414,6 +413,9 @@ fn import_on_registry(
     }))
 }
 
+/// The `memory_kind` wire value of CUDA VMM registrations (`MEMORY_KIND_CUDA_VMM`).
+pub const MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::CudaVmm as i32;
+
 /// The `cuda-vmm` registrar (payload [`PayloadKind::CudaVmm`]).
 #[derive(Debug)]
 pub struct CudaVmmRegistrar {
@@ -503,13 +505,26 @@ impl Registrar for CudaVmmRegistrar {
         "cuda-vmm"
     }
 
-    fn payload(&self) -> PayloadKind {
-        PayloadKind::CudaVmm
+    fn scheme(&self) -> PayloadScheme {
+        PayloadScheme {
+            name: "cuda-vmm",
+            carrier: PayloadCarrier::SideChannel {
+                memory_kind: MEMORY_KIND,
+            },
+        }
+    }
+
+    /// One GPU and one fused allocation per instance (the native-VMM v1 rules), and loads
+    /// complete by the RPC only: the client's VMM memory has no load-state word.
+    fn traits(&self) -> RegistrarTraits {
+        RegistrarTraits {
+            completion_by_rpc_only: true,
+            max_world_size: Some(1),
+        }
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let import =
-            NativeImport::check("cuda-vmm", PayloadKind::CudaVmm, self.channel.as_ref(), req)?;
+        let import = NativeImport::check("cuda-vmm", MEMORY_KIND, self.channel.as_ref(), req)?;
         let (instance_id, device_id, alloc_size) = (
             import.instance_id.clone(),
             import.device_id,
@@ -590,8 +605,8 @@ mod tests {
         ImportRequest {
             instance_id: id.into(),
             device_id: 0,
-            payload: RegistrationPayload::Native {
-                kind: PayloadKind::CudaVmm,
+            payload: RegistrationPayload::SideChannel {
+                memory_kind: MEMORY_KIND,
                 alloc_size,
                 views,
             },
@@ -676,10 +691,10 @@ mod tests {
         let wrong = ImportRequest {
             instance_id: "x".into(),
             device_id: 0,
-            payload: RegistrationPayload::CudaIpcWrappers(vec![vec![1]]),
+            payload: RegistrationPayload::LayerBlobs(vec![vec![1]]),
         };
         assert!(
-            matches!(reg.import(wrong).await, Err(RegistrarError::Invalid(m)) if m.contains("cuda-ipc"))
+            matches!(reg.import(wrong).await, Err(RegistrarError::Invalid(m)) if m.contains("wrapper_bytes"))
         );
         assert!(matches!(
             reg.import(request("bad id", 4096, vec![view(0, 64)])).await,
@@ -738,7 +753,12 @@ mod tests {
         let f = pegaflow_runtime::registrar_factory("cuda-vmm").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "cuda-vmm");
-        assert_eq!(r.payload(), PayloadKind::CudaVmm);
+        assert_eq!(
+            r.scheme().carrier,
+            PayloadCarrier::SideChannel {
+                memory_kind: MEMORY_KIND
+            }
+        );
         let ctx = RuntimeContext::default();
         let table = |s: &str| -> toml::Table { toml::from_str(s).unwrap() };
         assert!(CudaVmmRegistrar::build(&table("fd_timeout_secs = 3"), &ctx).is_ok());

@@ -14,8 +14,8 @@ use std::time::{Duration, Instant};
 
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::{
-    CopyBatch, CopyOp, Direction, ImportRequest, MemoryLocation, Registrar, RegistrarError,
-    RegistrationPayload, RuntimeContext, Tier,
+    CopyBatch, CopyOp, Direction, ImportRequest, Registrar, RegistrarError, RegistrationPayload,
+    RuntimeContext, Transport,
 };
 use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::wrapper::{encode_wrapper, parse_wrapper};
@@ -107,11 +107,9 @@ fn fixture(cfg: CudaTransportConfig, seed: u64) -> Fixture {
     Rng(seed).fill(&mut dev_data);
     dev.upload(0, &dev_data).unwrap();
     let arena = Arc::new(HostArena::new(48 << 20).unwrap());
-    let ctx = RuntimeContext {
-        landing_tier: Some(arena.clone() as Arc<dyn Tier>),
-        ..Default::default()
-    };
+    let ctx = RuntimeContext::default();
     let transport = CudaTransport::new(cfg, &ctx);
+    transport.install_host_memory(&arena.regions()).unwrap();
     assert!(transport.wait_pinned(Duration::from_secs(60)));
     Fixture {
         dev,
@@ -126,7 +124,7 @@ fn roundtrip(f: &Fixture, ops: &[CopyOp], mode: TransferMode, expect: CopyPath, 
     // SAFETY: no copy is in flight.
     unsafe { f.arena.bytes_mut() }.fill(0);
     let batch = |direction| CopyBatch {
-        location: MemoryLocation::CudaDevice { ordinal: 0 },
+        location: pegaflow_transport_cuda::cuda_space(0),
         direction,
         mode,
         ops: ops.to_vec(),
@@ -240,7 +238,7 @@ fn unpinned_host_memory_takes_the_pageable_safe_path() {
         })
         .collect();
     let rep = block_on(t.copy_with_report(CopyBatch {
-        location: MemoryLocation::CudaDevice { ordinal: 0 },
+        location: pegaflow_transport_cuda::cuda_space(0),
         direction: Direction::ToHost,
         mode: TransferMode::Kernel,
         ops: ops.clone(),
@@ -253,7 +251,7 @@ fn unpinned_host_memory_takes_the_pageable_safe_path() {
     }
     // A device this server does not serve is an error, not a crash.
     let e = block_on(t.copy_with_report(CopyBatch {
-        location: MemoryLocation::CudaDevice { ordinal: 999 },
+        location: pegaflow_transport_cuda::cuda_space(999),
         direction: Direction::ToHost,
         mode: TransferMode::Kernel,
         ops,
@@ -320,7 +318,7 @@ fn import(
     block_on(r.import(ImportRequest {
         instance_id: "gpu-test".into(),
         device_id: 0,
-        payload: RegistrationPayload::CudaIpcWrappers(wrappers),
+        payload: RegistrationPayload::LayerBlobs(wrappers),
     }))
 }
 
@@ -400,7 +398,7 @@ fn ipc_registrar_maps_another_process_allocation() {
     assert!(Arc::ptr_eq(&regions[0].memory, &regions[1].memory));
     assert_eq!(
         regions[0].memory.location(),
-        MemoryLocation::CudaDevice { ordinal: 0 }
+        pegaflow_transport_cuda::cuda_space(0)
     );
     assert!(regions[0].memory.len_bytes() >= CHILD_LEN as u64);
     assert_eq!((regions[0].offset, regions[0].len), (2048, half - 2048));
@@ -418,7 +416,7 @@ fn ipc_registrar_maps_another_process_allocation() {
         })
         .collect();
     block_on(t.copy_with_report(CopyBatch {
-        location: MemoryLocation::CudaDevice { ordinal: 0 },
+        location: pegaflow_transport_cuda::cuda_space(0),
         direction: Direction::ToHost,
         mode: TransferMode::Kernel,
         ops: ops.clone(),

@@ -142,10 +142,12 @@ impl Server {
             .settings
             .insert("capacity".into(), toml::Value::String("1gb".into()));
         p.registrars = Some(vec![PluginConfig {
+            layers: vec![],
             kind: "cuda-vmm".into(),
             settings: toml::Table::new(),
         }]);
         p.transports = Some(vec![PluginConfig {
+            layers: vec![],
             kind: "cuda".into(),
             settings: toml::Table::new(),
         }]);

@@ -4,7 +4,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    CopyBatch, CopyOp, Direction, MemoryLocation, RuntimeContext, Transport, TransportError,
+    CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, RuntimeContext, Transport,
+    TransportError,
 };
 
 /// Most threads one batch is split across unless `threads` says otherwise.
@@ -194,12 +195,17 @@ impl Transport for MemcpyTransport {
         "memcpy"
     }
 
-    fn can_address(&self, location: MemoryLocation) -> bool {
-        location == MemoryLocation::Host
+    fn can_address(&self, space: MemorySpace) -> bool {
+        space.is_host()
+    }
+
+    fn install_host_memory(&self, _regions: &[HostRegion]) -> Result<(), TransportError> {
+        // Host memory needs no registration for memcpy.
+        Ok(())
     }
 
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
-        if batch.location != MemoryLocation::Host {
+        if !batch.location.is_host() {
             return Err(TransportError(format!(
                 "the memcpy transport cannot address {:?} memory",
                 batch.location
@@ -274,7 +280,7 @@ mod tests {
 
     fn batch(direction: Direction, ops: Vec<CopyOp>) -> CopyBatch {
         CopyBatch {
-            location: MemoryLocation::Host,
+            location: MemorySpace::HOST,
             direction,
             mode: TransferMode::Direct,
             ops,
@@ -365,10 +371,10 @@ mod tests {
     #[tokio::test]
     async fn refuses_device_memory_and_bad_ops() {
         let t = MemcpyTransport::default();
-        assert!(t.can_address(MemoryLocation::Host));
-        assert!(!t.can_address(MemoryLocation::CudaDevice { ordinal: 0 }));
+        assert!(t.can_address(MemorySpace::HOST));
+        assert!(!t.can_address(MemorySpace::new("gpu", 0)));
         let mut b = batch(Direction::ToHost, vec![]);
-        b.location = MemoryLocation::CudaDevice { ordinal: 0 };
+        b.location = MemorySpace::new("gpu", 0);
         assert!(t.copy(b).await.is_err());
         let wrap = CopyOp {
             device_addr: u64::MAX - 2,

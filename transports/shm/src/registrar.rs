@@ -12,8 +12,8 @@ use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::stat::{fstat, SFlag};
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemoryLocation, NativeImport, PayloadKind, Registrar,
-    RegistrarError, Registration, RuntimeContext,
+    ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier, PayloadScheme,
+    Registrar, RegistrarError, RegistrarTraits, Registration, RuntimeContext,
 };
 use tracing::{debug, warn};
 
@@ -24,8 +24,11 @@ pub const DEFAULT_FD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest accepted `fd_timeout_secs`, in seconds (one hour).
 const MAX_FD_TIMEOUT_SECS: f64 = 3600.0;
 
-/// Imports host memory shared as a memfd (kind `host-memfd`, payload
-/// [`PayloadKind::HostMemfd`]).
+/// The `memory_kind` wire value of host memfd registrations (`MEMORY_KIND_HOST_MEMFD`).
+pub const MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::HostMemfd as i32;
+
+/// Imports host memory shared as a memfd (kind `host-memfd`, `memory_kind` [`MEMORY_KIND`]
+/// on the side channel).
 ///
 /// Import takes the descriptor sent for `(instance_id, device_id)` on the fd side channel,
 /// checks it is a regular file (a memfd) of at least `alloc_size` bytes, maps `alloc_size`
@@ -103,8 +106,8 @@ struct MemfdMapping {
 }
 
 impl Registration for MemfdMapping {
-    fn location(&self) -> MemoryLocation {
-        MemoryLocation::Host
+    fn location(&self) -> MemorySpace {
+        MemorySpace::HOST
     }
 
     fn base_addr(&self) -> u64 {
@@ -187,17 +190,21 @@ impl Registrar for HostMemfdRegistrar {
         "host-memfd"
     }
 
-    fn payload(&self) -> PayloadKind {
-        PayloadKind::HostMemfd
+    fn scheme(&self) -> PayloadScheme {
+        PayloadScheme {
+            name: "host-memfd",
+            carrier: PayloadCarrier::SideChannel {
+                memory_kind: MEMORY_KIND,
+            },
+        }
+    }
+
+    fn traits(&self) -> RegistrarTraits {
+        RegistrarTraits::default()
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
-        let import = NativeImport::check(
-            "host-memfd",
-            PayloadKind::HostMemfd,
-            self.channel.as_ref(),
-            req,
-        )?;
+        let import = NativeImport::check("host-memfd", MEMORY_KIND, self.channel.as_ref(), req)?;
         let alloc_size = import.alloc_size;
         let len = usize::try_from(alloc_size).map_err(|_| {
             import.refuse(RegistrarError::Invalid(format!(
@@ -265,8 +272,8 @@ mod tests {
         ImportRequest {
             instance_id: id.into(),
             device_id: 0,
-            payload: RegistrationPayload::Native {
-                kind: PayloadKind::HostMemfd,
+            payload: RegistrationPayload::SideChannel {
+                memory_kind: MEMORY_KIND,
                 alloc_size,
                 views,
             },
@@ -320,7 +327,7 @@ mod tests {
         assert_eq!((regions[1].offset, regions[1].len), (4096, 8192));
         let m = &regions[0].memory;
         assert!(Arc::ptr_eq(m, &regions[1].memory));
-        assert_eq!(m.location(), MemoryLocation::Host);
+        assert_eq!(m.location(), MemorySpace::HOST);
         assert_eq!(m.len_bytes(), 1 << 20);
         assert_eq!(
             m.describe(),
@@ -428,9 +435,9 @@ mod tests {
         let wrong = ImportRequest {
             instance_id: "x".into(),
             device_id: 0,
-            payload: RegistrationPayload::CudaIpcWrappers(vec![vec![1]]),
+            payload: RegistrationPayload::LayerBlobs(vec![vec![1]]),
         };
-        assert!(invalid(reg.import(wrong).await).contains("cuda-ipc"));
+        assert!(invalid(reg.import(wrong).await).contains("wrapper_bytes"));
         assert!(
             invalid(reg.import(request("bad id", 64, vec![view(0, 64)])).await)
                 .contains("instance id")
@@ -496,6 +503,11 @@ mod tests {
         let f = pegaflow_runtime::registrar_factory("host-memfd").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "host-memfd");
-        assert_eq!(r.payload(), PayloadKind::HostMemfd);
+        assert_eq!(
+            r.scheme().carrier,
+            PayloadCarrier::SideChannel {
+                memory_kind: MEMORY_KIND
+            }
+        );
     }
 }

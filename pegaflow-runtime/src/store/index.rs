@@ -1,4 +1,4 @@
-//! The block index: sealed blocks by `(namespace, group, hash)`, with exact LRU order.
+//! The host-DRAM block index: sealed blocks by `(namespace, group, hash)`, with exact LRU order.
 //!
 //! Owns: the only strong reference to a resident block besides leases and running loads.
 //! Must never: evict (or de-index) a block someone else holds — a lease, a load in flight —
@@ -9,82 +9,16 @@
 //! takes the smallest stamp among evictable entries of all shards, so the order is exact LRU.
 
 use std::collections::BTreeMap;
-use std::hash::{BuildHasher, Hash};
+use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
-use std::time::Instant;
 
-use hashbrown::{Equivalent, HashMap};
+use hashbrown::HashMap;
 use parking_lot::Mutex;
 
-use crate::buffer::HostBuffer;
+use crate::block::{BlockKey, KeyRef, SealedBlock};
 
 const SHARDS: usize = 16;
-
-/// One stored slot of a sealed block: `len` bytes at `offset` in `buf`.
-#[derive(Debug, Clone)]
-pub struct Slot {
-    /// The host buffer holding the bytes (shared by the slots of one block's save).
-    pub buf: Arc<HostBuffer>,
-    /// Offset in `buf`, in bytes.
-    pub offset: usize,
-    /// Length in bytes.
-    pub len: usize,
-}
-
-/// An immutable, complete block: every slot of its group saved.
-#[derive(Debug)]
-pub struct SealedBlock {
-    /// The storage group the block belongs to.
-    pub group: u32,
-    /// Slots by slot index.
-    pub slots: Box<[Slot]>,
-    /// Host-pool bytes the block occupies (after the tier's rounding).
-    pub footprint: u64,
-    /// When it was sealed.
-    pub sealed_at: Instant,
-}
-
-/// An owned index key.
-#[derive(Debug, Clone, PartialEq, Eq, Hash)]
-pub struct BlockKey {
-    /// Cache namespace.
-    pub namespace: Arc<str>,
-    /// Storage group.
-    pub group: u32,
-    /// The engine's content hash (opaque bytes).
-    pub hash: Box<[u8]>,
-}
-
-/// A borrowed key, hashing exactly like [`BlockKey`].
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
-pub struct KeyRef<'a> {
-    /// Cache namespace.
-    pub namespace: &'a str,
-    /// Storage group.
-    pub group: u32,
-    /// The hash.
-    pub hash: &'a [u8],
-}
-
-impl Equivalent<BlockKey> for KeyRef<'_> {
-    fn equivalent(&self, key: &BlockKey) -> bool {
-        self.group == key.group && *self.namespace == *key.namespace && self.hash == &*key.hash
-    }
-}
-
-impl BlockKey {
-    fn as_ref(&self) -> KeyRef<'_> {
-        KeyRef {
-            namespace: &self.namespace,
-            group: self.group,
-            hash: &self.hash,
-        }
-    }
-}
-
-// `Hash` of BlockKey (Arc<str>, u32, Box<[u8]>) and KeyRef (&str, u32, &[u8]) feed the hasher
-// the same sequence, so the derived impls agree, as Equivalent requires.
 
 struct Entry {
     block: Arc<SealedBlock>,
@@ -100,6 +34,8 @@ struct Shard {
 /// What an eviction removed.
 #[derive(Debug)]
 pub struct Evicted {
+    /// Its key.
+    pub key: BlockKey,
     /// The block (dropping it frees its memory unless still referenced).
     pub block: Arc<SealedBlock>,
 }
@@ -218,22 +154,25 @@ impl BlockIndex {
             self.resident_bytes
                 .fetch_sub(e.block.footprint, Ordering::Relaxed);
             self.resident_blocks.fetch_sub(1, Ordering::Relaxed);
-            return Some(Evicted { block: e.block });
+            return Some(Evicted {
+                key,
+                block: e.block,
+            });
         }
     }
 
     /// Removes every block (the memory-cleanup endpoint), referenced or not. Referenced blocks
     /// stay allocated until their holders drop them.
-    pub fn clear(&self) -> Vec<Arc<SealedBlock>> {
+    pub fn clear(&self) -> Vec<(BlockKey, Arc<SealedBlock>)> {
         let mut out = Vec::new();
         for sh in &self.shards {
             let mut s = sh.lock();
             s.lru.clear();
-            for (_, e) in s.map.drain() {
-                out.push(e.block);
+            for (k, e) in s.map.drain() {
+                out.push((k, e.block));
             }
         }
-        let bytes: u64 = out.iter().map(|b| b.footprint).sum();
+        let bytes: u64 = out.iter().map(|(_, b)| b.footprint).sum();
         self.resident_bytes.fetch_sub(bytes, Ordering::Relaxed);
         self.resident_blocks
             .fetch_sub(out.len() as u64, Ordering::Relaxed);
@@ -254,6 +193,8 @@ impl BlockIndex {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    use std::time::Instant;
 
     fn block(fp: u64) -> Arc<SealedBlock> {
         Arc::new(SealedBlock {

@@ -1,0 +1,517 @@
+//! The runtime's own layers, registered through `inventory` like any backend's:
+//!
+//! - `metrics` (tiers and transports): counts every call by outcome, its duration and the
+//!   bytes it moved (`pegaflow_tier_ops_total`, `pegaflow_tier_op_duration_seconds`,
+//!   `pegaflow_tier_op_bytes_total`; for transports the `pegaflow_transport_*` families);
+//! - `fault` (tiers and transports): injects failures and delays from its settings
+//!   (`fail_every`, `fail_next`, `delay_ms`), for staging and tests (see [`crate::fault`]);
+//! - `admission` (tiers): a second-sighting filter before a tier's writes: a block is
+//!   written only when its key was seen before (an earlier put attempt, or a lookup that
+//!   missed it), so blocks used once never cost a write (SSD lifespan). Rejections count in
+//!   `pegaflow_cache_block_admission_rejections_total`.
+//!
+//! Each forwards every trait method explicitly (the traits have no default methods).
+
+use std::collections::HashSet;
+use std::hash::{BuildHasher, Hash, Hasher};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use parking_lot::Mutex;
+use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
+use serde::Deserialize;
+
+use crate::block::{BlockKey, BlockShape};
+use crate::fault::{FaultControl, FaultyTier, FaultyTransport};
+use crate::plugin::{
+    CopyBatch, HostRegion, LayerContext, LayerFactory, MemorySpace, PluginOption, Recovered, Tier,
+    TierCapabilities, TierError, TierGet, TierPut, Transport, TransportError,
+};
+
+fn settings<T: for<'de> Deserialize<'de>>(name: &str, t: &toml::Table) -> anyhow::Result<T> {
+    toml::Value::Table(t.clone())
+        .try_into()
+        .map_err(|e| anyhow::anyhow!("{name} layer: {e}"))
+}
+
+fn outcome<T>(r: &Result<T, TierError>) -> &'static str {
+    match r {
+        Ok(_) => "ok",
+        Err(TierError::Full(_)) => "full",
+        Err(TierError::Unavailable(_)) => "unavailable",
+        Err(TierError::Corrupt(_)) => "corrupt",
+        Err(TierError::NotFound) => "not_found",
+    }
+}
+
+/// The `metrics` layer around a tier.
+pub struct MeteredTier {
+    inner: Arc<dyn Tier>,
+    ctx: LayerContext,
+}
+
+impl MeteredTier {
+    /// Wraps `inner`, counting into `ctx.metrics`.
+    pub fn new(inner: Arc<dyn Tier>, ctx: LayerContext) -> Self {
+        Self { inner, ctx }
+    }
+
+    fn record(&self, op: &str, outcome: &str, t0: Instant, bytes: u64) {
+        let m = &self.ctx.metrics;
+        let k = self.inner.kind();
+        m.tier_ops.with_label_values(&[k, op, outcome]).inc();
+        m.tier_op_duration
+            .with_label_values(&[k, op])
+            .observe(t0.elapsed().as_secs_f64());
+        if bytes > 0 {
+            m.tier_op_bytes.with_label_values(&[k, op]).inc_by(bytes);
+        }
+    }
+}
+
+#[async_trait]
+impl Tier for MeteredTier {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn capabilities(&self) -> TierCapabilities {
+        self.inner.capabilities()
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+    fn used_bytes(&self) -> u64 {
+        self.inner.used_bytes()
+    }
+    async fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<BlockShape>, TierError> {
+        let t0 = Instant::now();
+        let r = self.inner.lookup(keys).await;
+        self.record("lookup", outcome(&r), t0, 0);
+        r
+    }
+    async fn put(&self, blocks: Vec<TierPut>) -> Vec<Result<(), TierError>> {
+        let t0 = Instant::now();
+        let lens: Vec<u64> = blocks.iter().map(|b| b.block.len_bytes()).collect();
+        let r = self.inner.put(blocks).await;
+        let bytes = r
+            .iter()
+            .zip(&lens)
+            .filter(|(r, _)| r.is_ok())
+            .map(|(_, l)| l)
+            .sum();
+        for res in &r {
+            self.ctx
+                .metrics
+                .tier_ops
+                .with_label_values(&[self.inner.kind(), "put", outcome(res)])
+                .inc();
+        }
+        self.record("put_batch", "ok", t0, 0);
+        if bytes > 0 {
+            self.ctx
+                .metrics
+                .tier_op_bytes
+                .with_label_values(&[self.inner.kind(), "put"])
+                .inc_by(bytes);
+        }
+        r
+    }
+    async fn get(&self, reads: Vec<TierGet>) -> Vec<Result<(), TierError>> {
+        let t0 = Instant::now();
+        let lens: Vec<u64> = reads.iter().map(|g| g.shape.len_bytes()).collect();
+        let r = self.inner.get(reads).await;
+        let bytes = r
+            .iter()
+            .zip(&lens)
+            .filter(|(r, _)| r.is_ok())
+            .map(|(_, l)| l)
+            .sum();
+        for res in &r {
+            self.ctx
+                .metrics
+                .tier_ops
+                .with_label_values(&[self.inner.kind(), "get", outcome(res)])
+                .inc();
+        }
+        self.record("get_batch", "ok", t0, 0);
+        if bytes > 0 {
+            self.ctx
+                .metrics
+                .tier_op_bytes
+                .with_label_values(&[self.inner.kind(), "get"])
+                .inc_by(bytes);
+        }
+        r
+    }
+    async fn remove(&self, keys: &[BlockKey]) -> Result<u64, TierError> {
+        let t0 = Instant::now();
+        let r = self.inner.remove(keys).await;
+        self.record("remove", outcome(&r), t0, 0);
+        r
+    }
+    async fn flush(&self) -> Result<(), TierError> {
+        let t0 = Instant::now();
+        let r = self.inner.flush().await;
+        self.record("flush", outcome(&r), t0, 0);
+        r
+    }
+    async fn recover(&self) -> Result<Recovered, TierError> {
+        let t0 = Instant::now();
+        let r = self.inner.recover().await;
+        self.record("recover", outcome(&r), t0, 0);
+        r
+    }
+}
+
+/// Transport families of the `metrics` layer, registered once per registry.
+struct TransportFamilies {
+    batches: IntCounterVec,
+    bytes: IntCounterVec,
+    duration: HistogramVec,
+}
+
+fn transport_families(ctx: &LayerContext) -> anyhow::Result<Arc<TransportFamilies>> {
+    static FAMILIES: Mutex<Vec<(usize, Arc<TransportFamilies>)>> = Mutex::new(Vec::new());
+    let key = Arc::as_ptr(&ctx.metrics) as usize;
+    let mut all = FAMILIES.lock();
+    if let Some((_, f)) = all.iter().find(|(k, _)| *k == key) {
+        return Ok(f.clone());
+    }
+    let batches = IntCounterVec::new(
+        Opts::new(
+            "pegaflow_transport_batches_total",
+            "Copy batches by transport, direction and outcome (metrics layer)",
+        ),
+        &["transport", "direction", "outcome"],
+    )?;
+    let bytes = IntCounterVec::new(
+        Opts::new(
+            "pegaflow_transport_bytes_total",
+            "Bytes moved by successful copy batches (metrics layer)",
+        ),
+        &["transport", "direction"],
+    )?;
+    let duration = HistogramVec::new(
+        HistogramOpts::new(
+            "pegaflow_transport_batch_duration_seconds",
+            "Copy batch duration (metrics layer)",
+        )
+        .buckets(prometheus::exponential_buckets(1e-5, 4.0, 12)?),
+        &["transport", "direction"],
+    )?;
+    let r = ctx.metrics.registry();
+    r.register(Box::new(batches.clone()))?;
+    r.register(Box::new(bytes.clone()))?;
+    r.register(Box::new(duration.clone()))?;
+    let f = Arc::new(TransportFamilies {
+        batches,
+        bytes,
+        duration,
+    });
+    all.push((key, f.clone()));
+    Ok(f)
+}
+
+/// The `metrics` layer around a transport.
+pub struct MeteredTransport {
+    inner: Arc<dyn Transport>,
+    families: Arc<TransportFamilies>,
+}
+
+#[async_trait]
+impl Transport for MeteredTransport {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn can_address(&self, space: MemorySpace) -> bool {
+        self.inner.can_address(space)
+    }
+    fn install_host_memory(&self, regions: &[HostRegion]) -> Result<(), TransportError> {
+        self.inner.install_host_memory(regions)
+    }
+    async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
+        let dir = match batch.direction {
+            crate::plugin::Direction::ToHost => "d2h",
+            crate::plugin::Direction::ToDevice => "h2d",
+        };
+        let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
+        let t0 = Instant::now();
+        let r = self.inner.copy(batch).await;
+        let k = self.inner.kind();
+        let f = &self.families;
+        f.batches
+            .with_label_values(&[k, dir, if r.is_ok() { "ok" } else { "failed" }])
+            .inc();
+        f.duration
+            .with_label_values(&[k, dir])
+            .observe(t0.elapsed().as_secs_f64());
+        if r.is_ok() {
+            f.bytes.with_label_values(&[k, dir]).inc_by(bytes);
+        }
+        r
+    }
+}
+
+fn metrics_tier(
+    inner: Arc<dyn Tier>,
+    t: &toml::Table,
+    ctx: &LayerContext,
+) -> anyhow::Result<Arc<dyn Tier>> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NoSettings {}
+    let _: NoSettings = settings("metrics", t)?;
+    Ok(Arc::new(MeteredTier::new(inner, ctx.clone())))
+}
+
+fn metrics_transport(
+    inner: Arc<dyn Transport>,
+    t: &toml::Table,
+    ctx: &LayerContext,
+) -> anyhow::Result<Arc<dyn Transport>> {
+    #[derive(Deserialize)]
+    #[serde(deny_unknown_fields)]
+    struct NoSettings {}
+    let _: NoSettings = settings("metrics", t)?;
+    Ok(Arc::new(MeteredTransport {
+        inner,
+        families: transport_families(ctx)?,
+    }))
+}
+
+/// The `fault` layer's settings.
+#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct FaultLayerConfig {
+    /// Every k-th gated call fails (0 = never).
+    #[serde(default)]
+    pub fail_every: u64,
+    /// The first n gated calls fail.
+    #[serde(default)]
+    pub fail_next: u64,
+    /// Every gated call waits this long first, in milliseconds.
+    #[serde(default)]
+    pub delay_ms: u64,
+}
+
+impl FaultLayerConfig {
+    fn control(&self) -> Arc<FaultControl> {
+        let c = FaultControl::new();
+        c.fail_every(self.fail_every);
+        c.fail_next(self.fail_next);
+        c.set_delay(Duration::from_millis(self.delay_ms));
+        c
+    }
+}
+
+fn fault_tier(
+    inner: Arc<dyn Tier>,
+    t: &toml::Table,
+    _ctx: &LayerContext,
+) -> anyhow::Result<Arc<dyn Tier>> {
+    let cfg: FaultLayerConfig = settings("fault", t)?;
+    tracing::warn!(
+        tier = inner.kind(),
+        ?cfg,
+        "fault injection layer active on a tier"
+    );
+    Ok(Arc::new(FaultyTier::with_control(inner, cfg.control())))
+}
+
+fn fault_transport(
+    inner: Arc<dyn Transport>,
+    t: &toml::Table,
+    _ctx: &LayerContext,
+) -> anyhow::Result<Arc<dyn Transport>> {
+    let cfg: FaultLayerConfig = settings("fault", t)?;
+    tracing::warn!(
+        transport = inner.kind(),
+        ?cfg,
+        "fault injection layer active on a transport"
+    );
+    Ok(Arc::new(FaultyTransport::with_control(
+        inner,
+        cfg.control(),
+    )))
+}
+
+/// The `admission` layer's settings.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct AdmissionConfig {
+    /// Keys remembered as seen once; when full, the memory is cleared (a new window starts).
+    #[serde(default = "default_window")]
+    pub window_keys: usize,
+}
+
+fn default_window() -> usize {
+    1 << 20
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            window_keys: default_window(),
+        }
+    }
+}
+
+/// The `admission` layer: writes a block to the tier only on its second sighting.
+pub struct AdmissionTier {
+    inner: Arc<dyn Tier>,
+    seen: Mutex<HashSet<u64>>,
+    window: usize,
+    hasher: hashbrown::DefaultHashBuilder,
+    ctx: LayerContext,
+}
+
+impl AdmissionTier {
+    /// Wraps `inner`.
+    pub fn new(inner: Arc<dyn Tier>, config: &AdmissionConfig, ctx: LayerContext) -> Self {
+        Self {
+            inner,
+            seen: Mutex::new(HashSet::new()),
+            window: config.window_keys.max(1),
+            hasher: hashbrown::DefaultHashBuilder::default(),
+            ctx,
+        }
+    }
+
+    fn fingerprint(&self, k: &BlockKey) -> u64 {
+        let mut h = self.hasher.build_hasher();
+        k.hash(&mut h);
+        h.finish()
+    }
+
+    /// Records a sighting; true when the key had been seen before.
+    fn sight(&self, k: &BlockKey) -> bool {
+        let f = self.fingerprint(k);
+        let mut s = self.seen.lock();
+        if s.remove(&f) {
+            return true;
+        }
+        if s.len() >= self.window {
+            s.clear();
+        }
+        s.insert(f);
+        false
+    }
+}
+
+#[async_trait]
+impl Tier for AdmissionTier {
+    fn kind(&self) -> &'static str {
+        self.inner.kind()
+    }
+    fn capabilities(&self) -> TierCapabilities {
+        self.inner.capabilities()
+    }
+    fn capacity_bytes(&self) -> u64 {
+        self.inner.capacity_bytes()
+    }
+    fn used_bytes(&self) -> u64 {
+        self.inner.used_bytes()
+    }
+    async fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<BlockShape>, TierError> {
+        let r = self.inner.lookup(keys).await?;
+        // The first key the tier lacks was wanted: that counts as a sighting.
+        if let Some(k) = keys.get(r.len()) {
+            self.sight(k);
+        }
+        Ok(r)
+    }
+    async fn put(&self, blocks: Vec<TierPut>) -> Vec<Result<(), TierError>> {
+        let mut admitted = Vec::new();
+        let mut slots = Vec::with_capacity(blocks.len());
+        for b in blocks {
+            if self.sight(&b.key) {
+                slots.push(Some(admitted.len()));
+                admitted.push(b);
+            } else {
+                slots.push(None);
+            }
+        }
+        let rejected = slots.iter().filter(|s| s.is_none()).count() as u64;
+        if rejected > 0 {
+            self.ctx
+                .metrics
+                .cache_block_admission_rejections
+                .inc_by(rejected);
+        }
+        let results = if admitted.is_empty() {
+            Vec::new()
+        } else {
+            self.inner.put(admitted).await
+        };
+        slots
+            .into_iter()
+            .map(|s| match s {
+                Some(i) => results
+                    .get(i)
+                    .cloned()
+                    .unwrap_or(Err(TierError::Unavailable("no result".into()))),
+                None => Err(TierError::Full(
+                    "not admitted: first sighting of this block (admission layer)".into(),
+                )),
+            })
+            .collect()
+    }
+    async fn get(&self, reads: Vec<TierGet>) -> Vec<Result<(), TierError>> {
+        self.inner.get(reads).await
+    }
+    async fn remove(&self, keys: &[BlockKey]) -> Result<u64, TierError> {
+        self.inner.remove(keys).await
+    }
+    async fn flush(&self) -> Result<(), TierError> {
+        self.inner.flush().await
+    }
+    async fn recover(&self) -> Result<Recovered, TierError> {
+        self.inner.recover().await
+    }
+}
+
+fn admission_tier(
+    inner: Arc<dyn Tier>,
+    t: &toml::Table,
+    ctx: &LayerContext,
+) -> anyhow::Result<Arc<dyn Tier>> {
+    let cfg: AdmissionConfig = settings("admission", t)?;
+    Ok(Arc::new(AdmissionTier::new(inner, &cfg, ctx.clone())))
+}
+
+inventory::submit! {
+    LayerFactory {
+        name: "metrics",
+        summary: "counts every call by outcome, its duration and bytes (pegaflow_tier_*, pegaflow_transport_*)",
+        options: &[],
+        wrap_tier: Some(metrics_tier),
+        wrap_transport: Some(metrics_transport),
+    }
+}
+
+inventory::submit! {
+    LayerFactory {
+        name: "fault",
+        summary: "injects failures and delays (staging and tests; never in production)",
+        options: &[
+            PluginOption { name: "fail_every", default: "0", help: "every k-th call fails (0 = never)" },
+            PluginOption { name: "fail_next", default: "0", help: "the first n calls fail" },
+            PluginOption { name: "delay_ms", default: "0", help: "each call waits this long first (milliseconds)" },
+        ],
+        wrap_tier: Some(fault_tier),
+        wrap_transport: Some(fault_transport),
+    }
+}
+
+inventory::submit! {
+    LayerFactory {
+        name: "admission",
+        summary: "writes a block to the tier only on its second sighting (put or missed lookup); --enable-lfu-admission adds it to every lower tier",
+        options: &[
+            PluginOption { name: "window_keys", default: "1048576", help: "keys remembered as seen once before the memory is cleared" },
+        ],
+        wrap_tier: Some(admission_tier),
+        wrap_transport: None,
+    }
+}

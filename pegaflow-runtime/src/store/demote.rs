@@ -1,0 +1,282 @@
+//! Demotion: blocks evicted from host DRAM are written to the first lower tier by one worker
+//! task, through a queue bounded in bytes.
+//!
+//! Owns: the queue (oldest first), the map of blocks queued or being written (so that a query
+//! finds them and takes them back into DRAM without I/O), and the byte count they hold.
+//! Must never: block the caller (enqueue is a few map operations under one mutex), grow past
+//! its byte bound, drop a newer block while an older one is still only queued (a full queue
+//! sheds its oldest queued blocks first), or free a block's memory while its write runs (the
+//! worker holds the `Arc` until the tier's put returned).
+
+use std::collections::VecDeque;
+use std::sync::{Arc, Weak};
+
+use hashbrown::HashMap;
+use parking_lot::Mutex;
+use tokio::sync::Notify;
+
+use super::{IndexEventKind, TierStack};
+use crate::block::{BlockKey, KeyRef, SealedBlock};
+use crate::plugin::{Tier, TierPut};
+
+#[derive(Default)]
+struct State {
+    /// Keys queued and not yet taken by the worker, oldest first.
+    queue: VecDeque<BlockKey>,
+    /// Every block queued or being written.
+    blocks: HashMap<BlockKey, Arc<SealedBlock>>,
+    /// Footprint of `blocks`, in bytes.
+    bytes: u64,
+    /// Blocks the worker is writing now.
+    writing: usize,
+    stopped: bool,
+}
+
+struct Shared {
+    state: Mutex<State>,
+    work: Notify,
+    idle: Notify,
+    cap_bytes: u64,
+    batch: usize,
+    tier: Arc<dyn Tier>,
+    stack: Weak<TierStack>,
+}
+
+/// The demotion queue and its worker.
+pub(super) struct Demoter {
+    shared: Arc<Shared>,
+}
+
+impl Demoter {
+    /// Starts the worker on the current tokio runtime.
+    pub(super) fn start(
+        stack: Weak<TierStack>,
+        tier: Arc<dyn Tier>,
+        cap_bytes: u64,
+        batch: usize,
+    ) -> Self {
+        let shared = Arc::new(Shared {
+            state: Mutex::new(State::default()),
+            work: Notify::new(),
+            idle: Notify::new(),
+            cap_bytes,
+            batch,
+            tier,
+            stack,
+        });
+        tokio::spawn(worker(shared.clone()));
+        Self { shared }
+    }
+
+    fn count(&self, outcome: &str, n: u64) {
+        if let Some(s) = self.shared.stack.upgrade() {
+            s.metrics
+                .tier_demotions
+                .with_label_values(&[self.shared.tier.kind(), outcome])
+                .inc_by(n);
+        }
+    }
+
+    fn gauges(&self, st: &State) {
+        if let Some(s) = self.shared.stack.upgrade() {
+            s.metrics
+                .tier_demotion_queue_blocks
+                .set(st.blocks.len() as i64);
+            s.metrics.tier_demotion_queue_bytes.set(st.bytes as i64);
+        }
+    }
+
+    /// Queues an evicted block. When its footprint does not fit, the oldest queued blocks
+    /// are shed first; when it still does not fit (the rest is being written, or the block
+    /// alone exceeds the bound), this block is dropped.
+    pub(super) fn enqueue(&self, key: BlockKey, block: Arc<SealedBlock>) {
+        let fp = block.footprint;
+        let mut shed = Vec::new();
+        let mut dropped = false;
+        {
+            let mut st = self.shared.state.lock();
+            if st.stopped || st.blocks.contains_key(&key) {
+                return;
+            }
+            while st.bytes + fp > self.shared.cap_bytes {
+                let Some(old) = st.queue.pop_front() else {
+                    break;
+                };
+                if let Some(b) = st.blocks.remove(&old) {
+                    st.bytes -= b.footprint;
+                    shed.push(b);
+                }
+            }
+            if st.bytes + fp > self.shared.cap_bytes {
+                dropped = true;
+            } else {
+                st.bytes += fp;
+                st.queue.push_back(key.clone());
+                st.blocks.insert(key, block);
+            }
+            self.gauges(&st);
+        }
+        let n = shed.len() as u64 + u64::from(dropped);
+        if n > 0 {
+            self.count("dropped_queue_full", n);
+        }
+        self.shared.work.notify_one();
+    }
+
+    /// A block queued or being written under `key`.
+    pub(super) fn pending(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
+        self.shared.state.lock().blocks.get(&key).cloned()
+    }
+
+    /// Drops the oldest queued block (memory pressure). False when none is queued.
+    pub(super) fn shed_oldest(&self) -> bool {
+        let b = {
+            let mut st = self.shared.state.lock();
+            let Some(k) = st.queue.pop_front() else {
+                return false;
+            };
+            let b = st.blocks.remove(&k);
+            if let Some(b) = &b {
+                st.bytes -= b.footprint;
+            }
+            self.gauges(&st);
+            b
+        };
+        drop(b);
+        self.count("dropped_pressure", 1);
+        true
+    }
+
+    /// Drops every queued block (the cleanup endpoint); writes in progress finish.
+    pub(super) fn clear_pending(&self) {
+        let mut shed = Vec::new();
+        {
+            let mut st = self.shared.state.lock();
+            while let Some(k) = st.queue.pop_front() {
+                if let Some(b) = st.blocks.remove(&k) {
+                    st.bytes -= b.footprint;
+                    shed.push(b);
+                }
+            }
+            self.gauges(&st);
+        }
+        if !shed.is_empty() {
+            self.count("dropped_cleanup", shed.len() as u64);
+        }
+    }
+
+    /// Waits until nothing is queued or being written.
+    pub(super) async fn drain(&self) {
+        loop {
+            let idle = self.shared.idle.notified();
+            {
+                let st = self.shared.state.lock();
+                if st.blocks.is_empty() || st.stopped {
+                    return;
+                }
+            }
+            idle.await;
+        }
+    }
+
+    /// Stops the worker; queued blocks are dropped (counted).
+    pub(super) fn stop(&self) {
+        let n = {
+            let mut st = self.shared.state.lock();
+            st.stopped = true;
+            let n = st.queue.len();
+            while let Some(k) = st.queue.pop_front() {
+                if let Some(b) = st.blocks.remove(&k) {
+                    st.bytes -= b.footprint;
+                }
+            }
+            n
+        };
+        if n > 0 {
+            self.count("dropped_shutdown", n as u64);
+        }
+        self.shared.work.notify_one();
+        self.shared.idle.notify_waiters();
+    }
+}
+
+impl Drop for Demoter {
+    fn drop(&mut self) {
+        self.stop();
+    }
+}
+
+async fn worker(sh: Arc<Shared>) {
+    loop {
+        let work = sh.work.notified();
+        let batch: Vec<TierPut> = {
+            let mut st = sh.state.lock();
+            if st.stopped {
+                return;
+            }
+            let mut batch = Vec::new();
+            while batch.len() < sh.batch {
+                let Some(k) = st.queue.pop_front() else {
+                    break;
+                };
+                if let Some(b) = st.blocks.get(&k) {
+                    batch.push(TierPut {
+                        key: k,
+                        block: b.clone(),
+                    });
+                }
+            }
+            st.writing = batch.len();
+            batch
+        };
+        if batch.is_empty() {
+            sh.idle.notify_waiters();
+            work.await;
+            continue;
+        }
+        let keys: Vec<BlockKey> = batch.iter().map(|p| p.key.clone()).collect();
+        let results = sh.tier.put(batch).await;
+        let (mut ok, mut failed) = (0u64, 0u64);
+        let stack = sh.stack.upgrade();
+        {
+            let mut st = sh.state.lock();
+            for (i, k) in keys.iter().enumerate() {
+                match results.get(i) {
+                    Some(Ok(())) => {
+                        ok += 1;
+                        if let Some(s) = &stack {
+                            s.emit(IndexEventKind::Demoted(0), k);
+                        }
+                    }
+                    Some(Err(e)) => {
+                        failed += 1;
+                        tracing::debug!(tier = sh.tier.kind(), error = %e, "demotion failed");
+                    }
+                    None => failed += 1,
+                }
+                if let Some(b) = st.blocks.remove(k) {
+                    st.bytes -= b.footprint;
+                }
+            }
+            st.writing = 0;
+            if let Some(s) = &stack {
+                s.metrics
+                    .tier_demotion_queue_blocks
+                    .set(st.blocks.len() as i64);
+                s.metrics.tier_demotion_queue_bytes.set(st.bytes as i64);
+            }
+        }
+        if let Some(s) = &stack {
+            let c = &s.metrics.tier_demotions;
+            if ok > 0 {
+                c.with_label_values(&[sh.tier.kind(), "written"]).inc_by(ok);
+            }
+            if failed > 0 {
+                c.with_label_values(&[sh.tier.kind(), "failed"])
+                    .inc_by(failed);
+            }
+        }
+        drop(stack);
+        sh.idle.notify_waiters();
+    }
+}

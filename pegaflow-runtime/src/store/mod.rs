@@ -1,0 +1,424 @@
+//! The tier stack (the block store): host DRAM (the landing [`HostPool`] and its
+//! [`BlockIndex`]) above the key-addressed [`Tier`]s of the pipeline, in order.
+//!
+//! Owns: which tier holds each key (the DRAM index is the truth for host memory; each lower
+//! tier answers [`Tier::lookup`] for its own), the eviction policy (exact LRU over unreferenced
+//! DRAM blocks), demotion (an evicted block is written to the first lower tier through a
+//! bounded queue), promotion (a query whose prefix continues below DRAM starts one task per
+//! `(namespace, req_id, digest of hashes)` and is answered `Loading` until the task ends or
+//! its deadline passes), the fall-through ladder (the lower tiers in order, then a miss)
+//! inside that task, and the index events (sealed, evicted, demoted, promoted).
+//!
+//! Must never: evict a referenced block (leased, loading, pinned by a promotion, waiting in
+//! the demotion queue), block or fail a Save because a lower tier is slow or full (a full
+//! demotion queue drops its *oldest* pending block, never a newer one in favour of an older),
+//! make a re-poll start new I/O, answer `Loading` to a membership query, or index a promoted
+//! block before every byte of it has landed.
+
+mod demote;
+mod index;
+mod promote;
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use serde::{Deserialize, Serialize};
+use tokio::sync::broadcast;
+
+pub use index::{BlockIndex, Evicted};
+pub use promote::PrefixAnswer;
+
+use crate::block::{BlockKey, KeyRef, SealedBlock};
+use crate::buffer::HostBuffer;
+use crate::error::{EngineError, EngineResult};
+use crate::metrics::Metrics;
+use crate::plugin::{HostPool, Tier};
+
+/// `[store]`: the tier stack's settings.
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
+#[serde(deny_unknown_fields)]
+pub struct StoreConfig {
+    /// Host bytes that evicted blocks may occupy while they wait to be written to the next
+    /// tier (their memory is freed once written). A full queue drops its oldest block.
+    /// Default 1 GiB (capped at a quarter of the pool).
+    #[serde(default = "default_demote_queue_bytes")]
+    pub demote_queue_bytes: u64,
+    /// Blocks per put call of a demotion batch.
+    #[serde(default = "default_demote_batch_blocks")]
+    pub demote_batch_blocks: usize,
+    /// How long a promotion may keep a query `Loading`, in milliseconds; then the query is
+    /// answered Ready with what is resident.
+    #[serde(default = "default_promote_deadline_ms")]
+    pub promote_deadline_ms: u64,
+    /// How long a query waits for a lower tier's lookup, in milliseconds; a slower tier is
+    /// treated as holding nothing for that query.
+    #[serde(default = "default_lookup_timeout_ms")]
+    pub lookup_timeout_ms: u64,
+    /// Promotion tasks at once; a query beyond it is answered with what DRAM holds.
+    #[serde(default = "default_max_promotions")]
+    pub max_promotions: usize,
+    /// Blocks one promotion reads at most (PegaFlow's `--max-prefetch-blocks`).
+    #[serde(default = "default_max_promote_blocks")]
+    pub max_promote_blocks: usize,
+}
+
+fn default_demote_queue_bytes() -> u64 {
+    1 << 30
+}
+fn default_demote_batch_blocks() -> usize {
+    64
+}
+fn default_promote_deadline_ms() -> u64 {
+    5_000
+}
+fn default_lookup_timeout_ms() -> u64 {
+    200
+}
+fn default_max_promotions() -> usize {
+    256
+}
+fn default_max_promote_blocks() -> usize {
+    800
+}
+
+impl Default for StoreConfig {
+    fn default() -> Self {
+        Self {
+            demote_queue_bytes: default_demote_queue_bytes(),
+            demote_batch_blocks: default_demote_batch_blocks(),
+            promote_deadline_ms: default_promote_deadline_ms(),
+            lookup_timeout_ms: default_lookup_timeout_ms(),
+            max_promotions: default_max_promotions(),
+            max_promote_blocks: default_max_promote_blocks(),
+        }
+    }
+}
+
+/// What happened to a key, for subscribers such as a directory client.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum IndexEventKind {
+    /// Sealed by a Save: now in host DRAM.
+    Sealed,
+    /// Removed from host DRAM (pressure or cleanup); it may live on in a lower tier.
+    Evicted,
+    /// Written to the lower tier of this index (in the stack's tier order, 0 = first).
+    Demoted(usize),
+    /// Read back into host DRAM from a lower tier.
+    Promoted,
+}
+
+/// One index event.
+#[derive(Debug, Clone)]
+pub struct IndexEvent {
+    /// What happened.
+    pub kind: IndexEventKind,
+    /// To which key.
+    pub key: BlockKey,
+}
+
+/// Index events are broadcast with this much backlog; a subscriber further behind loses the
+/// oldest (counted in `pegaflow_index_events_lagged_total` by the subscriber).
+pub const INDEX_EVENT_BACKLOG: usize = 16_384;
+
+/// The tier stack.
+pub struct TierStack {
+    pool: Arc<dyn HostPool>,
+    lower: Vec<Arc<dyn Tier>>,
+    index: BlockIndex,
+    config: StoreConfig,
+    metrics: Arc<Metrics>,
+    events: broadcast::Sender<IndexEvent>,
+    demoter: Option<demote::Demoter>,
+    promotions: promote::Promotions,
+}
+
+impl std::fmt::Debug for TierStack {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TierStack")
+            .field("pool", &self.pool.kind())
+            .field(
+                "lower",
+                &self.lower.iter().map(|t| t.kind()).collect::<Vec<_>>(),
+            )
+            .field("index", &self.index)
+            .finish()
+    }
+}
+
+impl TierStack {
+    /// A stack over `pool` and the `lower` tiers (in fall-through order). Starts the demotion
+    /// worker on the current tokio runtime when there is a lower tier.
+    pub fn new(
+        pool: Arc<dyn HostPool>,
+        lower: Vec<Arc<dyn Tier>>,
+        config: StoreConfig,
+        metrics: Arc<Metrics>,
+    ) -> Arc<Self> {
+        let (events, _) = broadcast::channel(INDEX_EVENT_BACKLOG);
+        let queue_cap = config.demote_queue_bytes.min(pool.capacity_bytes() / 4);
+        Arc::new_cyclic(|weak| Self {
+            demoter: lower.first().map(|t| {
+                demote::Demoter::start(
+                    weak.clone(),
+                    t.clone(),
+                    queue_cap,
+                    config.demote_batch_blocks.max(1),
+                )
+            }),
+            pool,
+            lower,
+            index: BlockIndex::new(),
+            promotions: promote::Promotions::default(),
+            config,
+            metrics,
+            events,
+        })
+    }
+
+    /// The landing pool.
+    pub fn pool(&self) -> &Arc<dyn HostPool> {
+        &self.pool
+    }
+
+    /// The lower tiers, in fall-through order.
+    pub fn lower_tiers(&self) -> &[Arc<dyn Tier>] {
+        &self.lower
+    }
+
+    /// The host-DRAM index (read-only use: tests, benchmarks, metrics).
+    pub fn index(&self) -> &BlockIndex {
+        &self.index
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &StoreConfig {
+        &self.config
+    }
+
+    /// Subscribes to index events from now on.
+    pub fn subscribe(&self) -> broadcast::Receiver<IndexEvent> {
+        self.events.subscribe()
+    }
+
+    fn emit(&self, kind: IndexEventKind, key: &BlockKey) {
+        if self.events.receiver_count() > 0 {
+            let _ = self.events.send(IndexEvent {
+                kind,
+                key: key.clone(),
+            });
+        }
+    }
+
+    /// Asks each persistent lower tier to rebuild its index (once, at start).
+    pub async fn recover(&self) -> anyhow::Result<()> {
+        for t in &self.lower {
+            if !t.capabilities().persistent {
+                continue;
+            }
+            let r = t
+                .recover()
+                .await
+                .map_err(|e| anyhow::anyhow!("tier {} cannot recover: {e}", t.kind()))?;
+            tracing::info!(
+                tier = t.kind(),
+                blocks = r.blocks,
+                bytes = r.bytes,
+                dropped = r.dropped,
+                "tier recovered"
+            );
+        }
+        Ok(())
+    }
+
+    /// A DRAM lookup that marks the block most recently used.
+    pub fn get_touch(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
+        self.index.get_touch(key)
+    }
+
+    /// Whether a block is resident in DRAM (no recency change). A block waiting in the
+    /// demotion queue is taken back into DRAM and counts as resident.
+    pub fn contains(&self, key: KeyRef<'_>) -> bool {
+        self.index.contains(key) || self.reclaim_demoting(key).is_some()
+    }
+
+    /// Indexes a block sealed by a Save as most recently used. False (and the existing block
+    /// kept) when the key is already resident.
+    pub fn insert_sealed(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
+        let k = key.clone();
+        if self.index.insert(key, block) {
+            self.metrics.cache_block_insertions.inc();
+            self.emit(IndexEventKind::Sealed, &k);
+            true
+        } else {
+            false
+        }
+    }
+
+    /// The DRAM prefix of `hashes` under `(namespace, group)`, touched (most recently used),
+    /// including blocks taken back from the demotion queue.
+    pub fn dram_prefix(
+        &self,
+        namespace: &str,
+        group: u32,
+        hashes: &[Vec<u8>],
+    ) -> Vec<Arc<SealedBlock>> {
+        let mut hits = Vec::new();
+        for h in hashes {
+            let key = KeyRef {
+                namespace,
+                group,
+                hash: h,
+            };
+            match self
+                .index
+                .get_touch(key)
+                .or_else(|| self.reclaim_demoting(key))
+            {
+                Some(b) => hits.push(b),
+                None => break,
+            }
+        }
+        hits
+    }
+
+    /// A block waiting for demotion, put back into the DRAM index (no I/O: its memory was
+    /// never freed). The pending write still happens; it is harmless.
+    fn reclaim_demoting(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
+        let d = self.demoter.as_ref()?;
+        let block = d.pending(key)?;
+        let owned = key.to_owned();
+        if !self.index.insert(owned, block.clone()) {
+            return self.index.get_touch(key);
+        }
+        Some(block)
+    }
+
+    /// Allocates host buffers for `lens` (bytes each), evicting least recently used
+    /// unreferenced blocks (demoting them where a lower tier exists) until they fit.
+    ///
+    /// # Errors
+    /// RESOURCE_EXHAUSTED when the request exceeds the pool, or when every resident block is
+    /// referenced.
+    pub fn allocate(&self, lens: &[usize]) -> EngineResult<Vec<HostBuffer>> {
+        let need: u64 = lens
+            .iter()
+            .map(|&l| self.pool.footprint_bytes(l))
+            .fold(0u64, |a, b| a.saturating_add(b));
+        let cap = self.pool.capacity_bytes();
+        if need > cap {
+            self.metrics.pool_alloc_failures.inc();
+            return Err(EngineError::ResourceExhausted(format!(
+                "{need} bytes exceed the host pool's capacity of {cap} bytes"
+            )));
+        }
+        loop {
+            if let Some(b) = self.pool.allocate_batch(lens, 1) {
+                return Ok(b);
+            }
+            // Evict least recently used blocks until the free bytes cover the request — at
+            // least one per round, since a concurrent save may take what was freed — then retry.
+            let mut evicted = 0u64;
+            while let Some(e) = self.index.evict_lru() {
+                self.note_eviction(&e.key, &e.block, "pressure");
+                let before = self.pool.used_bytes();
+                self.demote(e);
+                let freed = before.saturating_sub(self.pool.used_bytes());
+                self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
+                evicted += 1;
+                if self.pool.free_bytes() >= need {
+                    break;
+                }
+            }
+            if evicted == 0 {
+                // Blocks waiting for demotion hold memory: under this pressure the oldest
+                // pending ones give way (counted as dropped).
+                if self.demoter.as_ref().is_some_and(|d| d.shed_oldest()) {
+                    continue;
+                }
+                if let Some(b) = self.pool.allocate_batch(lens, 1) {
+                    return Ok(b);
+                }
+                self.metrics.pool_alloc_failures.inc();
+                return Err(EngineError::ResourceExhausted(format!(
+                    "host pool exhausted: {need} bytes needed, {} of {cap} free, and every resident block is leased, loading or still being saved",
+                    self.pool.free_bytes()
+                )));
+            }
+        }
+    }
+
+    /// Hands an evicted block to the demotion queue, or drops it (group > 0 blocks are never
+    /// promoted, so they are not demoted; nor is anything without a lower tier).
+    fn demote(&self, e: Evicted) {
+        match &self.demoter {
+            Some(d) if e.key.group == 0 => d.enqueue(e.key, e.block),
+            _ => drop(e),
+        }
+    }
+
+    fn note_eviction(&self, key: &BlockKey, block: &SealedBlock, reason: &str) {
+        let m = &self.metrics;
+        m.cache_block_evictions.inc();
+        m.cache_block_evictions_by_class
+            .with_label_values(&["retained"])
+            .inc();
+        m.cache_residence_duration
+            .with_label_values(&[reason])
+            .observe(block.sealed_at.elapsed().as_secs_f64());
+        self.emit(IndexEventKind::Evicted, key);
+    }
+
+    /// Removes every block from the DRAM index (the memory-cleanup endpoint), referenced or
+    /// not; nothing is demoted (lower tiers keep what they hold). Returns the removed blocks.
+    pub fn clear_dram(&self) -> Vec<Arc<SealedBlock>> {
+        let all = self.index.clear();
+        let mut out = Vec::with_capacity(all.len());
+        for (k, b) in all {
+            self.note_eviction(&k, &b, "cleanup");
+            out.push(b);
+        }
+        if let Some(d) = &self.demoter {
+            d.clear_pending();
+        }
+        out
+    }
+
+    /// Waits until every block queued for demotion before the call is written (or dropped),
+    /// then flushes the lower tiers.
+    pub async fn flush(&self) {
+        if let Some(d) = &self.demoter {
+            d.drain().await;
+        }
+        for t in &self.lower {
+            if let Err(e) = t.flush().await {
+                tracing::warn!(tier = t.kind(), error = %e, "tier flush failed");
+            }
+        }
+    }
+
+    /// Periodic housekeeping: forgets finished promotion tasks nobody re-polled, refreshes
+    /// the lower tiers' gauges.
+    pub fn gc(&self) {
+        self.promotions.collect(self.promote_deadline() * 4);
+        self.metrics
+            .promotion_tasks
+            .set(self.promotions.len() as i64);
+        for t in &self.lower {
+            self.metrics
+                .tier_used_bytes
+                .with_label_values(&[t.kind()])
+                .set(t.used_bytes() as i64);
+        }
+    }
+
+    fn promote_deadline(&self) -> Duration {
+        Duration::from_millis(self.config.promote_deadline_ms)
+    }
+
+    /// Stops the demotion worker (pending blocks are dropped and counted) — at shutdown.
+    pub fn stop(&self) {
+        if let Some(d) = &self.demoter {
+            d.stop();
+        }
+    }
+}
