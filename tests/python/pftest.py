@@ -51,6 +51,17 @@ def server_binary() -> Path:
     return p
 
 
+def third_party_binary() -> Path:
+    """The examples' third-party server (`pegaflow-server-verify`), next to pegaflow-server:
+    it links the `heap-store` tier below DRAM."""
+    p = server_binary().parent / "pegaflow-server-verify"
+    if not p.is_file() or not os.access(p, os.X_OK):
+        raise RuntimeError(
+            f"pegaflow-server-verify not found at {p}: run `cargo build --workspace --all-targets`"
+        )
+    return p
+
+
 def free_port() -> int:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.bind(("127.0.0.1", 0))
@@ -73,7 +84,13 @@ def http(method: str, url: str, timeout: float = 5.0) -> tuple[int, str]:
 class Server:
     """One `pegaflow-server` process on free ports, logging to a file in its temp dir."""
 
-    def __init__(self, pool_size: str = "256mb", extra_args: list[str] | None = None):
+    def __init__(
+        self,
+        pool_size: str = "256mb",
+        extra_args: list[str] | None = None,
+        binary: Path | None = None,
+    ):
+        self.binary = binary
         self.dir = Path(tempfile.mkdtemp(prefix="pegaflow-pytest-"))
         self.fd_socket = str(self.dir / "fd.sock")
         self.log_path = self.dir / "server.log"
@@ -93,7 +110,7 @@ class Server:
             if self.grpc_port == self.http_port:
                 continue
             args = [
-                str(server_binary()),
+                str(self.binary or server_binary()),
                 "--addr", f"127.0.0.1:{self.grpc_port}",
                 "--http-addr", f"127.0.0.1:{self.http_port}",
                 "--pool-size", self.pool_size,

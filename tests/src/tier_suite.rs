@@ -330,15 +330,17 @@ pub async fn dropped_futures_leave_memory_safe(m: &TierMaker) {
     assert!(holds(&d, 1, 256 << 10));
 }
 
-/// Persistent tiers: what was put and flushed is found again after reopening; other tiers
-/// are skipped (with a message).
+/// Persistent tiers only (instantiated with `block_tier_conformance_tests!(maker,
+/// persistent)`): the tier declares itself persistent, and what was put and flushed is found
+/// again, exact, after reopening the same directory.
 pub async fn persistent_tiers_recover(m: &TierMaker) {
     let dir = tempfile::tempdir().unwrap();
     let t = (m.make)(16 << 20, dir.path());
-    if !t.capabilities().persistent {
-        eprintln!("skipped: tier {} is not persistent", t.kind());
-        return;
-    }
+    assert!(
+        t.capabilities().persistent,
+        "tier {} is instantiated as persistent but does not declare it",
+        t.kind()
+    );
     for r in t
         .put((0..5).map(|i| put_of(i, &[3000, 1000])).collect())
         .await
@@ -361,9 +363,14 @@ pub async fn persistent_tiers_recover(m: &TierMaker) {
 }
 
 /// One `#[tokio::test]` per case of this suite, each with a fresh tier from `$maker` (a
-/// [`TierMaker`] expression). Invoke it inside a module per tier.
+/// [`TierMaker`] expression). Invoke it inside a module per tier; add `, persistent` for a
+/// tier that declares itself persistent (adds the recovery case).
 #[macro_export]
 macro_rules! block_tier_conformance_tests {
+    ($maker:expr, persistent) => {
+        $crate::block_tier_conformance_tests!($maker);
+        $crate::block_tier_conformance_tests!(@cases $maker; persistent_tiers_recover);
+    };
     ($maker:expr) => {
         $crate::block_tier_conformance_tests!(@cases $maker;
             put_lookup_get_roundtrip,
@@ -374,7 +381,6 @@ macro_rules! block_tier_conformance_tests {
             concurrent_puts_and_gets_stay_exact,
             injected_faults_are_never_success,
             dropped_futures_leave_memory_safe,
-            persistent_tiers_recover,
         );
     };
     (@cases $maker:expr; $($case:ident),* $(,)?) => {

@@ -1,5 +1,10 @@
-//! Demotion: blocks evicted from host DRAM are written to the first lower tier by one worker
-//! task, through a queue bounded in bytes.
+//! Demotion: blocks leave host DRAM for the first lower tier, written by one worker task.
+//!
+//! Two paths. Write-behind (the usual one): once blocks that no lower tier holds fill more
+//! than `write_behind_percent` of the pool, the worker writes the oldest of them below while
+//! they stay in DRAM and marks them written; evicting such a block later frees its memory at
+//! once, with no I/O on the Save's path. The queue (the fallback): a block evicted before
+//! write-behind reached it is queued, bounded in bytes; its memory is freed once written.
 //!
 //! Owns: the queue (oldest first), the map of blocks queued or being written (so that a query
 //! finds them and takes them back into DRAM without I/O), and the byte count they hold.
@@ -123,6 +128,11 @@ impl Demoter {
         self.shared.work.notify_one();
     }
 
+    /// Wakes the worker (after a seal: write-behind may have work).
+    pub(super) fn kick(&self) {
+        self.shared.work.notify_one();
+    }
+
     /// A block queued or being written under `key`.
     pub(super) fn pending(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
         self.shared.state.lock().blocks.get(&key).cloned()
@@ -171,7 +181,7 @@ impl Demoter {
             let idle = self.shared.idle.notified();
             {
                 let st = self.shared.state.lock();
-                if st.blocks.is_empty() || st.stopped {
+                if (st.blocks.is_empty() && st.writing == 0) || st.stopped {
                     return;
                 }
             }
@@ -229,54 +239,118 @@ async fn worker(sh: Arc<Shared>) {
             st.writing = batch.len();
             batch
         };
-        if batch.is_empty() {
+        if !batch.is_empty() {
+            write_queued(&sh, batch).await;
             sh.idle.notify_waiters();
-            work.await;
             continue;
         }
-        let keys: Vec<BlockKey> = batch.iter().map(|p| p.key.clone()).collect();
-        let results = sh.tier.put(batch).await;
-        let (mut ok, mut failed) = (0u64, 0u64);
-        let stack = sh.stack.upgrade();
-        {
-            let mut st = sh.state.lock();
-            for (i, k) in keys.iter().enumerate() {
-                match results.get(i) {
-                    Some(Ok(())) => {
-                        ok += 1;
-                        if let Some(s) = &stack {
-                            s.emit(IndexEventKind::Demoted(0), k);
-                        }
-                    }
-                    Some(Err(e)) => {
-                        failed += 1;
-                        tracing::debug!(tier = sh.tier.kind(), error = %e, "demotion failed");
-                    }
-                    None => failed += 1,
-                }
-                if let Some(b) = st.blocks.remove(k) {
-                    st.bytes -= b.footprint;
-                }
-            }
-            st.writing = 0;
-            if let Some(s) = &stack {
-                s.metrics
-                    .tier_demotion_queue_blocks
-                    .set(st.blocks.len() as i64);
-                s.metrics.tier_demotion_queue_bytes.set(st.bytes as i64);
-            }
+        if write_behind(&sh).await {
+            continue;
         }
-        if let Some(s) = &stack {
-            let c = &s.metrics.tier_demotions;
-            if ok > 0 {
-                c.with_label_values(&[sh.tier.kind(), "written"]).inc_by(ok);
-            }
-            if failed > 0 {
-                c.with_label_values(&[sh.tier.kind(), "failed"])
-                    .inc_by(failed);
-            }
-        }
-        drop(stack);
         sh.idle.notify_waiters();
+        work.await;
+    }
+}
+
+/// Writes evicted blocks taken from the queue, then frees them (drops the queue's `Arc`s).
+async fn write_queued(sh: &Shared, batch: Vec<TierPut>) {
+    let keys: Vec<BlockKey> = batch.iter().map(|p| p.key.clone()).collect();
+    let results = sh.tier.put(batch).await;
+    let stack = sh.stack.upgrade();
+    let mut freed = Vec::with_capacity(keys.len());
+    {
+        let mut st = sh.state.lock();
+        for k in &keys {
+            if let Some(b) = st.blocks.remove(k) {
+                st.bytes -= b.footprint;
+                freed.push(b);
+            }
+        }
+        st.writing = 0;
+        if let Some(s) = &stack {
+            s.metrics
+                .tier_demotion_queue_blocks
+                .set(st.blocks.len() as i64);
+            s.metrics.tier_demotion_queue_bytes.set(st.bytes as i64);
+        }
+    }
+    drop(freed);
+    if let Some(s) = &stack {
+        count_results(sh, s, &keys, &results);
+    }
+}
+
+/// One write-behind round: when the blocks no lower tier holds exceed the stack's threshold,
+/// writes the oldest of them (enough to get below it, at most a batch) and marks them
+/// written. True when it wrote something (the worker loops again).
+async fn write_behind(sh: &Shared) -> bool {
+    let Some(stack) = sh.stack.upgrade() else {
+        return false;
+    };
+    let excess = stack
+        .index
+        .unwritten_bytes()
+        .saturating_sub(stack.write_behind_bytes());
+    if excess == 0 {
+        return false;
+    }
+    let mut cands = stack.index.oldest_unwritten(0, sh.batch);
+    let mut sum = 0u64;
+    let mut take = 0;
+    for (_, b) in &cands {
+        if sum >= excess {
+            break;
+        }
+        sum += b.footprint;
+        take += 1;
+    }
+    cands.truncate(take);
+    if cands.is_empty() {
+        return false;
+    }
+    let keys: Vec<BlockKey> = cands.iter().map(|(k, _)| k.clone()).collect();
+    let puts: Vec<TierPut> = cands
+        .into_iter()
+        .map(|(key, block)| TierPut { key, block })
+        .collect();
+    sh.state.lock().writing = keys.len();
+    let results = sh.tier.put(puts).await;
+    sh.state.lock().writing = 0;
+    // Marked whatever the outcome: a block the tier refused (full, not admitted) is not
+    // offered again; at eviction it is dropped.
+    for k in &keys {
+        stack.index.mark_written_below(k);
+    }
+    count_results(sh, &stack, &keys, &results);
+    true
+}
+
+fn count_results(
+    sh: &Shared,
+    stack: &TierStack,
+    keys: &[BlockKey],
+    results: &[Result<(), crate::plugin::TierError>],
+) {
+    let (mut ok, mut failed) = (0u64, 0u64);
+    for (i, k) in keys.iter().enumerate() {
+        match results.get(i) {
+            Some(Ok(())) => {
+                ok += 1;
+                stack.emit(IndexEventKind::Demoted(0), k);
+            }
+            Some(Err(e)) => {
+                failed += 1;
+                tracing::debug!(tier = sh.tier.kind(), error = %e, "demotion failed");
+            }
+            None => failed += 1,
+        }
+    }
+    let c = &stack.metrics.tier_demotions;
+    if ok > 0 {
+        c.with_label_values(&[sh.tier.kind(), "written"]).inc_by(ok);
+    }
+    if failed > 0 {
+        c.with_label_values(&[sh.tier.kind(), "failed"])
+            .inc_by(failed);
     }
 }

@@ -23,6 +23,8 @@ const SHARDS: usize = 16;
 struct Entry {
     block: Arc<SealedBlock>,
     stamp: u64,
+    /// A lower tier already holds (or was offered) the block: eviction needs no demotion.
+    written_below: bool,
 }
 
 #[derive(Default)]
@@ -38,6 +40,8 @@ pub struct Evicted {
     pub key: BlockKey,
     /// The block (dropping it frees its memory unless still referenced).
     pub block: Arc<SealedBlock>,
+    /// Whether the block was already written below DRAM (no demotion needed).
+    pub written_below: bool,
 }
 
 /// The sharded index.
@@ -47,6 +51,8 @@ pub struct BlockIndex {
     hasher: hashbrown::DefaultHashBuilder,
     resident_bytes: AtomicU64,
     resident_blocks: AtomicU64,
+    /// Footprint of resident blocks not yet written below DRAM, in bytes.
+    unwritten_bytes: AtomicU64,
 }
 
 impl std::fmt::Debug for BlockIndex {
@@ -72,6 +78,7 @@ impl BlockIndex {
             hasher: hashbrown::DefaultHashBuilder::default(),
             resident_bytes: AtomicU64::new(0),
             resident_blocks: AtomicU64::new(0),
+            unwritten_bytes: AtomicU64::new(0),
         }
     }
 
@@ -106,6 +113,17 @@ impl BlockIndex {
     /// Inserts a sealed block as most recently used. Returns false (and keeps the existing
     /// block) when the key is already resident: content-addressed blocks never overwrite.
     pub fn insert(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
+        self.insert_marked(key, block, false)
+    }
+
+    /// [`BlockIndex::insert`], recording whether a lower tier already holds the block (a
+    /// promoted block does).
+    pub fn insert_marked(
+        &self,
+        key: BlockKey,
+        block: Arc<SealedBlock>,
+        written_below: bool,
+    ) -> bool {
         let kr = key.as_ref();
         let shard = self.shard(&kr);
         let mut s = shard.lock();
@@ -115,7 +133,17 @@ impl BlockIndex {
         let stamp = self.tick();
         let fp = block.footprint;
         s.lru.insert(stamp, key.clone());
-        s.map.insert(key, Entry { block, stamp });
+        s.map.insert(
+            key,
+            Entry {
+                block,
+                stamp,
+                written_below,
+            },
+        );
+        if !written_below {
+            self.unwritten_bytes.fetch_add(fp, Ordering::Relaxed);
+        }
         self.resident_bytes.fetch_add(fp, Ordering::Relaxed);
         self.resident_blocks.fetch_add(1, Ordering::Relaxed);
         true
@@ -154,9 +182,14 @@ impl BlockIndex {
             self.resident_bytes
                 .fetch_sub(e.block.footprint, Ordering::Relaxed);
             self.resident_blocks.fetch_sub(1, Ordering::Relaxed);
+            if !e.written_below {
+                self.unwritten_bytes
+                    .fetch_sub(e.block.footprint, Ordering::Relaxed);
+            }
             return Some(Evicted {
                 key,
                 block: e.block,
+                written_below: e.written_below,
             });
         }
     }
@@ -176,7 +209,54 @@ impl BlockIndex {
         self.resident_bytes.fetch_sub(bytes, Ordering::Relaxed);
         self.resident_blocks
             .fetch_sub(out.len() as u64, Ordering::Relaxed);
+        self.unwritten_bytes.store(0, Ordering::Relaxed);
         out
+    }
+
+    /// Footprint of resident blocks no lower tier holds yet, in bytes.
+    pub fn unwritten_bytes(&self) -> u64 {
+        self.unwritten_bytes.load(Ordering::Relaxed)
+    }
+
+    /// The least recently used resident blocks of storage group `group` not yet written
+    /// below DRAM, oldest first, at most `max` of them (write-behind candidates).
+    pub fn oldest_unwritten(&self, group: u32, max: usize) -> Vec<(BlockKey, Arc<SealedBlock>)> {
+        let mut cands: Vec<(u64, BlockKey, Arc<SealedBlock>)> = Vec::new();
+        for sh in &self.shards {
+            let s = sh.lock();
+            let mut taken = 0;
+            for (&stamp, key) in s.lru.iter() {
+                if taken == max {
+                    break;
+                }
+                let e = &s.map[key];
+                if !e.written_below && key.group == group {
+                    cands.push((stamp, key.clone(), e.block.clone()));
+                    taken += 1;
+                }
+            }
+        }
+        cands.sort_unstable_by_key(|c| c.0);
+        cands.truncate(max);
+        cands.into_iter().map(|(_, k, b)| (k, b)).collect()
+    }
+
+    /// Records that a lower tier holds `key` now (or refused it for good); false when the key
+    /// is no longer resident.
+    pub fn mark_written_below(&self, key: &BlockKey) -> bool {
+        let kr = key.as_ref();
+        let mut s = self.shard(&kr).lock();
+        match s.map.get_mut(&kr) {
+            Some(e) => {
+                if !e.written_below {
+                    e.written_below = true;
+                    self.unwritten_bytes
+                        .fetch_sub(e.block.footprint, Ordering::Relaxed);
+                }
+                true
+            }
+            None => false,
+        }
     }
 
     /// Footprint of resident blocks, in bytes.

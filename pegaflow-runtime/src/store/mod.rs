@@ -46,6 +46,11 @@ pub struct StoreConfig {
     /// Blocks per put call of a demotion batch.
     #[serde(default = "default_demote_batch_blocks")]
     pub demote_batch_blocks: usize,
+    /// Write-behind: once blocks that no lower tier holds yet fill more than this percentage
+    /// of the pool, the oldest of them are written below in the background (they stay in
+    /// DRAM), so that evicting them later frees memory at once. 0–100; default 75.
+    #[serde(default = "default_write_behind_percent")]
+    pub write_behind_percent: u8,
     /// How long a promotion may keep a query `Loading`, in milliseconds; then the query is
     /// answered Ready with what is resident.
     #[serde(default = "default_promote_deadline_ms")]
@@ -68,6 +73,9 @@ fn default_demote_queue_bytes() -> u64 {
 fn default_demote_batch_blocks() -> usize {
     64
 }
+fn default_write_behind_percent() -> u8 {
+    75
+}
 fn default_promote_deadline_ms() -> u64 {
     5_000
 }
@@ -86,6 +94,7 @@ impl Default for StoreConfig {
         Self {
             demote_queue_bytes: default_demote_queue_bytes(),
             demote_batch_blocks: default_demote_batch_blocks(),
+            write_behind_percent: default_write_behind_percent(),
             promote_deadline_ms: default_promote_deadline_ms(),
             lookup_timeout_ms: default_lookup_timeout_ms(),
             max_promotions: default_max_promotions(),
@@ -245,13 +254,23 @@ impl TierStack {
     /// kept) when the key is already resident.
     pub fn insert_sealed(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
         let k = key.clone();
-        if self.index.insert(key, block) {
+        // Blocks of groups > 0 are never demoted: they count as handled.
+        let handled = key.group != 0;
+        if self.index.insert_marked(key, block, handled) {
             self.metrics.cache_block_insertions.inc();
             self.emit(IndexEventKind::Sealed, &k);
+            if let Some(d) = &self.demoter {
+                d.kick();
+            }
             true
         } else {
             false
         }
+    }
+
+    /// Bytes of not-yet-written blocks above which write-behind runs.
+    pub(crate) fn write_behind_bytes(&self) -> u64 {
+        self.pool.capacity_bytes() / 100 * u64::from(self.config.write_behind_percent.min(100))
     }
 
     /// The DRAM prefix of `hashes` under `(namespace, group)`, touched (most recently used),
@@ -287,7 +306,8 @@ impl TierStack {
         let d = self.demoter.as_ref()?;
         let block = d.pending(key)?;
         let owned = key.to_owned();
-        if !self.index.insert(owned, block.clone()) {
+        // Its write is queued or running: counted as handled.
+        if !self.index.insert_marked(owned, block.clone(), true) {
             return self.index.get_touch(key);
         }
         Some(block)
@@ -347,11 +367,12 @@ impl TierStack {
         }
     }
 
-    /// Hands an evicted block to the demotion queue, or drops it (group > 0 blocks are never
-    /// promoted, so they are not demoted; nor is anything without a lower tier).
+    /// Hands an evicted block to the demotion queue, or drops it: a block written below
+    /// already (write-behind) needs nothing; group > 0 blocks are never promoted, so they are
+    /// not demoted; nor is anything without a lower tier.
     fn demote(&self, e: Evicted) {
         match &self.demoter {
-            Some(d) if e.key.group == 0 => d.enqueue(e.key, e.block),
+            Some(d) if e.key.group == 0 && !e.written_below => d.enqueue(e.key, e.block),
             _ => drop(e),
         }
     }

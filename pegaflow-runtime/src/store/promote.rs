@@ -205,7 +205,7 @@ impl TierStack {
                 let fp = self.pool.footprint_bytes(dest.len());
                 let block = Arc::new(SealedBlock::from_buffer(0, shape, dest, fp));
                 let key = &todo[i];
-                if self.index.insert(key.clone(), block.clone()) {
+                if self.index.insert_marked(key.clone(), block.clone(), true) {
                     self.emit(IndexEventKind::Promoted, key);
                 }
                 task.pinned.lock().push(block);
