@@ -112,19 +112,18 @@ async fn poll_ready(w: &mut Worker, inst: &str, hs: &[Vec<u8>], req: &str) -> (u
 async fn demoted_blocks_are_promoted_on_query_with_exact_bytes() {
     let lower = "[[tier]]\nkind = \"heap-store\"\ncapacity = \"8mb\"\nlayers = [\"metrics\"]";
     let srv = start("", 32, lower).await;
+    let mut events = srv.handle.engine.store().subscribe();
     let mut w = Worker::register(&srv, "tt", "ns", SHAPE, 0, 1, 0).await;
     let hs = save_tagged(&mut w, "first", 0, 8).await;
     push_out(&mut w, 32).await;
     srv.handle.engine.flush_tiers().await;
     let m = srv.handle.engine.metrics().render();
-    assert_eq!(
+    assert!(
         metric(
             &m,
             "pegaflow_tier_demotions_total",
             &["outcome=\"written\""]
-        ) as u64
-            >= 8,
-        true,
+        ) >= 8.0,
         "{m}"
     );
     // None of the first blocks is in DRAM any more.
@@ -190,6 +189,17 @@ async fn demoted_blocks_are_promoted_on_query_with_exact_bytes() {
     let (n, lease) = ready(w.client.query("tt", hs.clone(), "req-2").await.unwrap());
     assert_eq!(n, 8);
     w.client.release(&lease).await.unwrap();
+    // Index events told a subscriber what happened to the first block.
+    use pegaflow_runtime::store::IndexEventKind as K;
+    let mut seen = Vec::new();
+    while let Ok(e) = events.try_recv() {
+        if *e.key.hash == *hs[0] {
+            seen.push(e.kind);
+        }
+    }
+    for k in [K::Sealed, K::Demoted(0), K::Evicted, K::Promoted] {
+        assert!(seen.contains(&k), "{k:?} missing from {seen:?}");
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

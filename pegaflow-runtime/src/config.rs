@@ -197,6 +197,9 @@ pub struct PipelineConfig {
     /// `[store]`: the tier stack (demotion queue, promotion deadline).
     #[serde(default)]
     pub store: crate::store::StoreConfig,
+    /// `[peer]`: the delegate serving the server-to-server RPCs; absent = not configured.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub peer: Option<PluginConfig>,
     /// `[[tier]]` entries, landing tier first.
     #[serde(default, rename = "tier")]
     pub tiers: Vec<PluginConfig>,

@@ -15,8 +15,9 @@ use crate::engine::{Engine, EngineParts};
 use crate::fd_channel::{FdChannel, FdChannelLimits};
 use crate::metrics::Metrics;
 use crate::plugin::{
-    known_tiers, registrar_factory, tier_factory, transport_factory, BuiltTier, HostPool,
-    PayloadCarrier, Registrar, RegistrarFactory, RuntimeContext, Tier, Transport, TransportFactory,
+    known_tiers, peer_service_factory, registrar_factory, tier_factory, transport_factory,
+    BuiltTier, HostPool, PayloadCarrier, PeerService, Registrar, RegistrarFactory, RuntimeContext,
+    Tier, Transport, TransportFactory,
 };
 use crate::service::EngineService;
 
@@ -123,6 +124,7 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
     let ctx = RuntimeContext {
         fd_channel: fd_channel.clone(),
         devices: pipeline.server.devices.clone(),
+        index_events: Default::default(),
     };
     let built = build_pipeline(&pipeline, &ctx, &metrics)?;
     tracing::info!(
@@ -138,6 +140,8 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         pool: built.pool,
         lower_tiers: built.lower,
         store: pipeline.store.clone(),
+        index_events: ctx.index_events.clone(),
+        peer: built.peer,
         registrars: built.registrars,
         transports: built.transports,
         metrics,
@@ -229,6 +233,8 @@ pub struct BuiltPipeline {
     pub transports: Vec<Arc<dyn Transport>>,
     /// Registrars (without those of per-layer blobs when `python_registry` is off).
     pub registrars: Vec<Arc<dyn Registrar>>,
+    /// The server-to-server RPC delegate (`[peer]`), if any.
+    pub peer: Option<Arc<dyn PeerService>>,
 }
 
 impl std::fmt::Debug for BuiltPipeline {
@@ -342,11 +348,22 @@ pub fn build_pipeline(
             .filter(|r| r.scheme().carrier != PayloadCarrier::LayerBlobs)
             .collect()
     };
+    let peer = match &pipeline.peer {
+        Some(p) => {
+            let f = peer_service_factory(&p.kind)?;
+            Some(
+                (f.build)(&p.settings, ctx)
+                    .with_context(|| format!("cannot build peer delegate {:?}", p.kind))?,
+            )
+        }
+        None => None,
+    };
     Ok(BuiltPipeline {
         pool,
         lower,
         transports,
         registrars,
+        peer,
     })
 }
 

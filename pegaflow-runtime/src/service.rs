@@ -251,30 +251,58 @@ impl pb::engine_server::Engine for EngineService {
 
     async fn query_blocks_for_transfer(
         &self,
-        _request: Request<pb::QueryBlocksForTransferRequest>,
+        request: Request<pb::QueryBlocksForTransferRequest>,
     ) -> Result<Response<pb::QueryBlocksForTransferResponse>, Status> {
-        Err(Status::failed_precondition(
-            "cross-node transfer is not configured on this server (no RDMA transport)",
-        ))
+        let t0 = Instant::now();
+        let r = match self.engine.peer() {
+            Some(p) => p
+                .query_blocks_for_transfer(self.engine.store(), request.into_inner())
+                .await
+                .map(Response::new),
+            None => Err(Status::failed_precondition(
+                "cross-node transfer is not configured on this server (the pipeline has no [peer])",
+            )),
+        };
+        self.record("query_blocks_for_transfer", t0, &r);
+        r
     }
 
     async fn release_transfer_lock(
         &self,
-        _request: Request<pb::ReleaseTransferLockRequest>,
+        request: Request<pb::ReleaseTransferLockRequest>,
     ) -> Result<Response<pb::ReleaseTransferLockResponse>, Status> {
-        Ok(Response::new(pb::ReleaseTransferLockResponse {
-            status: ok_status(),
-            released_blocks: 0,
-        }))
+        let t0 = Instant::now();
+        let r = match self.engine.peer() {
+            Some(p) => p
+                .release_transfer_lock(self.engine.store(), request.into_inner())
+                .await
+                .map(Response::new),
+            // Nothing can be locked without a delegate: releasing is a no-op success.
+            None => Ok(Response::new(pb::ReleaseTransferLockResponse {
+                status: ok_status(),
+                released_blocks: 0,
+            })),
+        };
+        self.record("release_transfer_lock", t0, &r);
+        r
     }
 
     async fn rdma_handshake(
         &self,
-        _request: Request<pb::RdmaHandshakeRequest>,
+        request: Request<pb::RdmaHandshakeRequest>,
     ) -> Result<Response<pb::RdmaHandshakeResponse>, Status> {
-        Err(Status::failed_precondition(
-            "RDMA is not configured on this server (built without the RDMA transport)",
-        ))
+        let t0 = Instant::now();
+        let r = match self.engine.peer() {
+            Some(p) => p
+                .rdma_handshake(self.engine.store(), request.into_inner())
+                .await
+                .map(Response::new),
+            None => Err(Status::failed_precondition(
+                "cross-node transfer is not configured on this server (the pipeline has no [peer])",
+            )),
+        };
+        self.record("rdma_handshake", t0, &r);
+        r
     }
 
     async fn flush(

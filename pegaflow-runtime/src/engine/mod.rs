@@ -53,6 +53,10 @@ pub struct EngineParts {
     pub lower_tiers: Vec<Arc<dyn Tier>>,
     /// `[store]` settings.
     pub store: StoreConfig,
+    /// The index-event bus (the one handed to backends in their `RuntimeContext`).
+    pub index_events: crate::store::IndexEvents,
+    /// The delegate of the server-to-server RPCs, when the pipeline has a `[peer]`.
+    pub peer: Option<Arc<dyn crate::plugin::PeerService>>,
     /// Registrars of the pipeline.
     pub registrars: Vec<Arc<dyn Registrar>>,
     /// Transports of the pipeline, in preference order.
@@ -80,6 +84,7 @@ pub struct MemoryCleanup {
 pub struct Engine {
     config: EngineConfig,
     store: Arc<TierStack>,
+    peer: Option<Arc<dyn crate::plugin::PeerService>>,
     registrars: Vec<Arc<dyn Registrar>>,
     transports: Vec<Arc<dyn Transport>>,
     instances: RwLock<HashMap<Arc<str>, Arc<Instance>>>,
@@ -119,6 +124,7 @@ impl Engine {
             parts.lower_tiers,
             parts.store,
             parts.metrics.clone(),
+            parts.index_events,
         );
         Ok(Arc::new(Self {
             leases: LeaseTable::new(
@@ -127,6 +133,7 @@ impl Engine {
             ),
             config: parts.config,
             store,
+            peer: parts.peer,
             registrars: parts.registrars,
             transports: parts.transports,
             instances: RwLock::new(HashMap::new()),
@@ -148,6 +155,11 @@ impl Engine {
     /// The landing tier's host pool.
     pub fn pool(&self) -> &Arc<dyn HostPool> {
         self.store.pool()
+    }
+
+    /// The delegate of the server-to-server RPCs, if configured.
+    pub fn peer(&self) -> Option<&Arc<dyn crate::plugin::PeerService>> {
+        self.peer.as_ref()
     }
 
     /// The tier stack (block store).

@@ -9,6 +9,7 @@
 //! and is linked into a server binary; nothing in this crate changes.
 
 mod layer;
+mod peer;
 mod pool;
 mod registrar;
 mod tier;
@@ -19,6 +20,9 @@ use std::sync::Arc;
 pub use layer::{
     known_layers, layer_factory, parse_layer_entry, wrap_tier, wrap_transport, LayerContext,
     LayerFactory, TierLayerBuild, TransportLayerBuild,
+};
+pub use peer::{
+    known_peer_services, peer_service_factory, PeerService, PeerServiceBuild, PeerServiceFactory,
 };
 pub use pool::{HostPool, HostRegion};
 pub use registrar::{
@@ -35,8 +39,11 @@ use crate::fd_channel::FdChannel;
 pub struct RuntimeContext {
     /// The fd side channel, when configured.
     pub fd_channel: Option<Arc<FdChannel>>,
-    /// CUDA devices the operator asked for (`--devices`); `None` = all the driver reports.
+    /// Device ordinals the operator asked for (`--devices`); `None` = all the driver reports.
     pub devices: Option<Vec<i32>>,
+    /// Index events (sealed, evicted, demoted, promoted) of this server's tier stack: a
+    /// directory client subscribes here when it is built.
+    pub index_events: crate::store::IndexEvents,
 }
 
 impl std::fmt::Debug for RuntimeContext {
@@ -222,6 +229,12 @@ pub fn describe_plugins() -> String {
     section(
         "registrars",
         inventory::iter::<RegistrarFactory>()
+            .map(|f| (f.kind, f.summary, f.options))
+            .collect(),
+    );
+    section(
+        "peer delegates ([peer] kind = ...: the server-to-server RPCs)",
+        inventory::iter::<PeerServiceFactory>()
             .map(|f| (f.kind, f.summary, f.options))
             .collect(),
     );

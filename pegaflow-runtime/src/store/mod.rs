@@ -129,6 +129,47 @@ pub struct IndexEvent {
 /// oldest (counted in `pegaflow_index_events_lagged_total` by the subscriber).
 pub const INDEX_EVENT_BACKLOG: usize = 16_384;
 
+/// The bus index events travel on: the tier stack publishes, subscribers (a directory
+/// client, tests) receive every event from the moment they subscribe. Cloning shares the bus.
+/// A backend receives it in [`crate::plugin::RuntimeContext::index_events`] when it is built.
+#[derive(Clone)]
+pub struct IndexEvents {
+    tx: broadcast::Sender<IndexEvent>,
+}
+
+impl std::fmt::Debug for IndexEvents {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("IndexEvents")
+            .field("subscribers", &self.tx.receiver_count())
+            .finish()
+    }
+}
+
+impl Default for IndexEvents {
+    fn default() -> Self {
+        let (tx, _) = broadcast::channel(INDEX_EVENT_BACKLOG);
+        Self { tx }
+    }
+}
+
+impl IndexEvents {
+    /// Receives every event published from now on. A receiver more than
+    /// [`INDEX_EVENT_BACKLOG`] events behind loses the oldest (`RecvError::Lagged(n)`; count
+    /// them in `pegaflow_index_events_lagged_total`).
+    pub fn subscribe(&self) -> broadcast::Receiver<IndexEvent> {
+        self.tx.subscribe()
+    }
+
+    fn publish(&self, kind: IndexEventKind, key: &BlockKey) {
+        if self.tx.receiver_count() > 0 {
+            let _ = self.tx.send(IndexEvent {
+                kind,
+                key: key.clone(),
+            });
+        }
+    }
+}
+
 /// The tier stack.
 pub struct TierStack {
     pool: Arc<dyn HostPool>,
@@ -136,7 +177,7 @@ pub struct TierStack {
     index: BlockIndex,
     config: StoreConfig,
     metrics: Arc<Metrics>,
-    events: broadcast::Sender<IndexEvent>,
+    events: IndexEvents,
     demoter: Option<demote::Demoter>,
     promotions: promote::Promotions,
 }
@@ -155,15 +196,16 @@ impl std::fmt::Debug for TierStack {
 }
 
 impl TierStack {
-    /// A stack over `pool` and the `lower` tiers (in fall-through order). Starts the demotion
-    /// worker on the current tokio runtime when there is a lower tier.
+    /// A stack over `pool` and the `lower` tiers (in fall-through order), publishing on
+    /// `events`. Starts the demotion worker on the current tokio runtime when there is a
+    /// lower tier.
     pub fn new(
         pool: Arc<dyn HostPool>,
         lower: Vec<Arc<dyn Tier>>,
         config: StoreConfig,
         metrics: Arc<Metrics>,
+        events: IndexEvents,
     ) -> Arc<Self> {
-        let (events, _) = broadcast::channel(INDEX_EVENT_BACKLOG);
         let queue_cap = config.demote_queue_bytes.min(pool.capacity_bytes() / 4);
         Arc::new_cyclic(|weak| Self {
             demoter: lower.first().map(|t| {
@@ -209,13 +251,13 @@ impl TierStack {
         self.events.subscribe()
     }
 
+    /// The bus the stack publishes on.
+    pub fn events(&self) -> &IndexEvents {
+        &self.events
+    }
+
     fn emit(&self, kind: IndexEventKind, key: &BlockKey) {
-        if self.events.receiver_count() > 0 {
-            let _ = self.events.send(IndexEvent {
-                kind,
-                key: key.clone(),
-            });
-        }
+        self.events.publish(kind, key);
     }
 
     /// Asks each persistent lower tier to rebuild its index (once, at start).
