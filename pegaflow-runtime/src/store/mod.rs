@@ -485,3 +485,284 @@ impl TierStack {
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    use async_trait::async_trait;
+    use parking_lot::Mutex;
+
+    use super::*;
+    use crate::block::BlockShape;
+    use crate::buffer::{Extent, HostMemory};
+    use crate::plugin::{HostRegion, Recovered, TierCapabilities, TierError, TierGet, TierPut};
+
+    /// A heap pool of `cap` bytes (footprint = length).
+    struct HeapPool {
+        cap: u64,
+        used: Arc<AtomicUsize>,
+        mem: Arc<HeapMem>,
+    }
+
+    struct HeapMem {
+        used: Arc<AtomicUsize>,
+        live: Mutex<Vec<(usize, Box<[u8]>)>>,
+    }
+
+    impl HostMemory for HeapMem {
+        fn release(&self, extents: &[Extent]) {
+            let mut l = self.live.lock();
+            for e in extents {
+                l.retain(|(a, _)| *a != e.addr);
+                self.used.fetch_sub(e.len, Ordering::SeqCst);
+            }
+        }
+    }
+
+    impl HeapPool {
+        fn new(cap: u64) -> Arc<Self> {
+            let used = Arc::new(AtomicUsize::new(0));
+            Arc::new(Self {
+                cap,
+                used: used.clone(),
+                mem: Arc::new(HeapMem {
+                    used,
+                    live: Mutex::new(Vec::new()),
+                }),
+            })
+        }
+    }
+
+    impl HostPool for HeapPool {
+        fn kind(&self) -> &'static str {
+            "test-heap"
+        }
+        fn metric_label(&self) -> &'static str {
+            "test"
+        }
+        fn capacity_bytes(&self) -> u64 {
+            self.cap
+        }
+        fn used_bytes(&self) -> u64 {
+            self.used.load(Ordering::SeqCst) as u64
+        }
+        fn free_bytes(&self) -> u64 {
+            self.cap.saturating_sub(self.used_bytes())
+        }
+        fn footprint_bytes(&self, len: usize) -> u64 {
+            len as u64
+        }
+        fn allocate_batch(&self, lens: &[usize], _align: usize) -> Option<Vec<HostBuffer>> {
+            let total: usize = lens.iter().sum();
+            if total as u64 > self.free_bytes() {
+                return None;
+            }
+            Some(
+                lens.iter()
+                    .map(|&l| {
+                        let mut b = vec![0u8; l.max(1)].into_boxed_slice();
+                        let addr = b.as_mut_ptr() as usize;
+                        self.mem.live.lock().push((addr, b));
+                        self.used.fetch_add(l, Ordering::SeqCst);
+                        HostBuffer::new(vec![Extent { addr, len: l }], self.mem.clone())
+                    })
+                    .collect(),
+            )
+        }
+        fn regions(&self) -> Vec<HostRegion> {
+            Vec::new()
+        }
+        fn trim(&self) {}
+    }
+
+    /// A tier whose puts wait until `open` is notified (to fill the demotion queue) and
+    /// record the keys they stored.
+    struct GatedTier {
+        open: tokio::sync::Semaphore,
+        stored: Mutex<Vec<BlockKey>>,
+    }
+
+    impl Default for GatedTier {
+        fn default() -> Self {
+            Self {
+                open: tokio::sync::Semaphore::new(0),
+                stored: Mutex::new(Vec::new()),
+            }
+        }
+    }
+
+    #[async_trait]
+    impl Tier for GatedTier {
+        fn kind(&self) -> &'static str {
+            "test-gated"
+        }
+        fn capabilities(&self) -> TierCapabilities {
+            TierCapabilities::default()
+        }
+        fn capacity_bytes(&self) -> u64 {
+            u64::MAX
+        }
+        fn used_bytes(&self) -> u64 {
+            0
+        }
+        async fn lookup(&self, _keys: &[BlockKey]) -> Result<Vec<BlockShape>, TierError> {
+            Ok(Vec::new())
+        }
+        async fn put(&self, blocks: Vec<TierPut>) -> Vec<Result<(), TierError>> {
+            let _p = self.open.acquire().await.expect("open");
+            let mut s = self.stored.lock();
+            blocks
+                .into_iter()
+                .map(|b| {
+                    s.push(b.key);
+                    Ok(())
+                })
+                .collect()
+        }
+        async fn get(&self, reads: Vec<TierGet>) -> Vec<Result<(), TierError>> {
+            vec![Err(TierError::NotFound); reads.len()]
+        }
+        async fn remove(&self, _keys: &[BlockKey]) -> Result<u64, TierError> {
+            Ok(0)
+        }
+        async fn flush(&self) -> Result<(), TierError> {
+            Ok(())
+        }
+        async fn recover(&self) -> Result<Recovered, TierError> {
+            Ok(Recovered::default())
+        }
+    }
+
+    fn key(i: u8) -> BlockKey {
+        BlockKey {
+            namespace: "ns".into(),
+            group: 0,
+            hash: vec![i].into(),
+        }
+    }
+
+    fn seal(stack: &TierStack, i: u8, len: usize) {
+        let buf = stack.allocate(&[len]).expect("allocates").pop().unwrap();
+        let fp = buf.len() as u64;
+        let shape = BlockShape::new(vec![len as u64]);
+        let block = Arc::new(SealedBlock::from_buffer(0, &shape, Arc::new(buf), fp));
+        assert!(stack.insert_sealed(key(i), block));
+    }
+
+    /// Under pressure with a stuck lower tier, saves never fail, the demotion queue stays
+    /// within its bound, and what it keeps is the most recently evicted blocks (a full queue
+    /// sheds its oldest, never a newer block in favour of an older one).
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_full_demotion_queue_sheds_its_oldest_and_never_fails_a_save() {
+        let tier = Arc::new(GatedTier::default());
+        let metrics = Arc::new(Metrics::new());
+        let config = StoreConfig {
+            demote_queue_bytes: 4096,
+            demote_batch_blocks: 2,
+            write_behind_percent: 100,
+            ..StoreConfig::default()
+        };
+        // 16 blocks of 1 KiB fit; the queue holds 4 (4 KiB, a quarter of the pool), 2 of
+        // them in the worker's first (stuck) put.
+        let stack = TierStack::new(
+            HeapPool::new(16 << 10),
+            vec![tier.clone() as Arc<dyn Tier>],
+            config,
+            metrics.clone(),
+            IndexEvents::default(),
+        );
+        for i in 0..64u8 {
+            seal(&stack, i, 1024);
+            let q = metrics.tier_demotion_queue_bytes.get();
+            assert!(q <= 4096, "queue bounded by its bytes: {q}");
+        }
+        // The worker is stuck in its first put; the queue holds the newest evicted blocks.
+        let pending: Vec<u8> = (0..64u8)
+            .filter(|&i| {
+                stack
+                    .demoter
+                    .as_ref()
+                    .unwrap()
+                    .pending(key(i).as_ref())
+                    .is_some()
+            })
+            .collect();
+        let dropped = metrics
+            .tier_demotions
+            .with_label_values(&["test-gated", "dropped_queue_full"])
+            .get()
+            + metrics
+                .tier_demotions
+                .with_label_values(&["test-gated", "dropped_pressure"])
+                .get();
+        assert!(dropped > 0, "pressure dropped demotions");
+        // Every queued (not yet taken) block is newer than every shed one: apart from the
+        // first batch the stuck worker may hold (blocks 0 and 1), the pending blocks are a
+        // contiguous run ending at the newest evicted block.
+        let evicted_newest = 64 - stack.index.resident_blocks() as usize - 1;
+        let queued: Vec<u8> = pending.iter().copied().filter(|&i| i > 1).collect();
+        let (lo, hi) = (queued[0], *queued.last().expect("some blocks queued"));
+        assert_eq!(hi as usize, evicted_newest, "{pending:?}");
+        assert_eq!(queued.len(), (hi - lo + 1) as usize, "{pending:?}");
+        tier.open.add_permits(1000);
+        stack.flush().await;
+        assert!(tier.stored.lock().len() >= 4);
+        assert_eq!(metrics.tier_demotion_queue_bytes.get(), 0);
+    }
+
+    /// Write-behind writes the oldest blocks below while they stay in DRAM; evicting them
+    /// later needs no demotion.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn write_behind_writes_the_oldest_blocks_while_they_stay_resident() {
+        let tier = Arc::new(GatedTier::default());
+        tier.open.add_permits(1000);
+        let metrics = Arc::new(Metrics::new());
+        let config = StoreConfig {
+            write_behind_percent: 50,
+            ..StoreConfig::default()
+        };
+        let stack = TierStack::new(
+            HeapPool::new(16 << 10),
+            vec![tier.clone() as Arc<dyn Tier>],
+            config,
+            metrics.clone(),
+            IndexEvents::default(),
+        );
+        for i in 0..12u8 {
+            seal(&stack, i, 1024);
+        }
+        for _ in 0..200 {
+            if stack.index.unwritten_bytes() <= 8 << 10 {
+                break;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(5)).await;
+        }
+        assert!(stack.index.unwritten_bytes() <= 8 << 10);
+        let stored = tier.stored.lock().clone();
+        assert!(
+            stored.contains(&key(0)) && stored.contains(&key(3)),
+            "{stored:?}"
+        );
+        assert!(
+            !stored.contains(&key(11)),
+            "the newest stay unwritten: {stored:?}"
+        );
+        assert_eq!(
+            stack.index.resident_blocks(),
+            12,
+            "written blocks stay in DRAM"
+        );
+        // Filling the pool now evicts the written blocks without queueing them.
+        for i in 12..20u8 {
+            seal(&stack, i, 1024);
+        }
+        assert_eq!(
+            metrics
+                .tier_demotions
+                .with_label_values(&["test-gated", "dropped_queue_full"])
+                .get(),
+            0
+        );
+    }
+}
