@@ -14,7 +14,12 @@ fn load(name: &str) -> PipelineConfig {
 
 #[test]
 fn shipped_pipelines_parse() {
-    for f in ["default.toml", "cpu-engines.toml", "verify.toml"] {
+    for f in [
+        "default.toml",
+        "cpu-engines.toml",
+        "verify.toml",
+        "two-tier.toml",
+    ] {
         let p = load(f);
         assert_eq!(p.tiers[0].kind, "dram", "{f}");
     }
@@ -82,4 +87,37 @@ async fn the_third_party_transport_carries_a_roundtrip() {
     for (i, h) in hs.iter().enumerate() {
         assert!(w.kv.holds(5 + i, h));
     }
+}
+
+#[test]
+fn enable_lfu_admission_adds_the_admission_layer_to_lower_tiers_only() {
+    use clap::Parser;
+    use pegaflow_runtime::config::Cli;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("p.toml");
+    std::fs::write(
+        &path,
+        "[[tier]]\nkind = \"dram\"\ncapacity = \"1mb\"\n[[tier]]\nkind = \"heap-store\"\nlayers = [\"metrics\"]\n",
+    )
+    .unwrap();
+    let cli = Cli::try_parse_from([
+        "pegaflow-server",
+        "--config",
+        path.to_str().unwrap(),
+        "--enable-lfu-admission",
+    ])
+    .unwrap();
+    let p = cli.pipeline().unwrap();
+    assert!(p.tiers[0].layers.is_empty());
+    assert_eq!(
+        p.tiers[1].layers,
+        vec![
+            toml::Value::String("metrics".into()),
+            toml::Value::String("admission".into())
+        ]
+    );
+    // Without a tier below DRAM the flag has nothing to act on: start-up refuses it.
+    let cli = Cli::try_parse_from(["pegaflow-server", "--enable-lfu-admission"]).unwrap();
+    let e = format!("{:#}", cli.pipeline().unwrap_err());
+    assert!(e.contains("below DRAM"), "{e}");
 }
