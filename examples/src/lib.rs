@@ -39,6 +39,13 @@ impl Transport for VerifyingMemcpy {
     }
 
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
+        // Addresses of any other space are not host addresses: never dereference them.
+        if !self.can_address(batch.location) {
+            return Err(TransportError(format!(
+                "the memcpy-verify transport cannot address {} memory",
+                batch.location
+            )));
+        }
         tokio::task::spawn_blocking(move || {
             for op in &batch.ops {
                 let (src, dst) = match batch.direction {

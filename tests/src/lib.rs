@@ -1,5 +1,8 @@
-//! Cross-crate integration tests: the conformance suites (host pools, key-addressed tiers) and the end-to-end harness.
+//! Cross-crate integration tests: the conformance suites (host pools, key-addressed tiers,
+//! transports, registrars) and the end-to-end harness.
 
 pub mod harness;
 pub mod pool_suite;
+pub mod registrar_suite;
 pub mod tier_suite;
+pub mod transport_suite;

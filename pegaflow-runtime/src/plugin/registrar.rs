@@ -232,10 +232,19 @@ impl NativeImport {
                 views,
             } if k == memory_kind => (alloc_size, views),
             other => {
-                return Err(RegistrarError::Invalid(format!(
+                let e = RegistrarError::Invalid(format!(
                     "the {registrar} registrar cannot import a {} payload",
                     other.describe()
-                )))
+                ));
+                // A side-channel payload of another memory kind may have sent a descriptor
+                // under this key: close it, as every refusal after the channel check does.
+                if matches!(other, RegistrationPayload::SideChannel { .. })
+                    && pegaflow_api::is_side_channel_safe_id(&instance_id)
+                    && channel.discard(&instance_id, device_id)
+                {
+                    tracing::debug!(instance = %instance_id, device_id, "discarded the pending fd of a refused registration");
+                }
+                return Err(e);
             }
         };
         if !pegaflow_api::is_side_channel_safe_id(&instance_id) {
