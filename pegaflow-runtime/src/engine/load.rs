@@ -7,8 +7,8 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use pegaflow_api::load_state::{LoadState, LOAD_FAILED, LOAD_SUCCESS};
-use pegaflow_proto as pb;
 
+use super::command::{LoadCommand, LoadCompletion};
 use super::instance::{WorkerLayer, WorkerLease};
 use super::Engine;
 use crate::block::SealedBlock;
@@ -36,22 +36,15 @@ fn push_load_ops(
 impl Engine {
     /// Load (see the module doc). Validation failures are returned as errors and written as −1
     /// to the load state; nothing is copied.
-    pub async fn load(&self, req: pb::LoadRequest) -> EngineResult<()> {
-        let state = if req.wait_for_completion {
-            if !req.load_state_shm.is_empty() {
-                return Err(EngineError::invalid(
-                    "a load with wait_for_completion must not name a load_state_shm",
-                ));
+    pub async fn load(&self, req: LoadCommand) -> EngineResult<()> {
+        let state = match &req.completion {
+            LoadCompletion::Wait => None,
+            LoadCompletion::StateWord(name) => {
+                let s = LoadState::attach(name).map_err(|e| {
+                    EngineError::internal(format!("cannot attach load state {name:?}: {e}"))
+                })?;
+                Some(s)
             }
-            None
-        } else {
-            let s = LoadState::attach(&req.load_state_shm).map_err(|e| {
-                EngineError::internal(format!(
-                    "cannot attach load state {:?}: {e}",
-                    req.load_state_shm
-                ))
-            })?;
-            Some(s)
         };
         let prepared = match self.prepare_load(&req) {
             Ok(p) => p,
@@ -98,7 +91,7 @@ impl Engine {
             }
             r
         };
-        if req.wait_for_completion {
+        if req.completion == LoadCompletion::Wait {
             task.await
         } else {
             tokio::spawn(task);
@@ -106,7 +99,7 @@ impl Engine {
         }
     }
 
-    fn prepare_load(&self, req: &pb::LoadRequest) -> EngineResult<Option<Prepared>> {
+    fn prepare_load(&self, req: &LoadCommand) -> EngineResult<Option<Prepared>> {
         if req.device_id < 0 {
             return Err(EngineError::invalid(format!(
                 "device_id must be >= 0, got {}",
@@ -122,12 +115,12 @@ impl Engine {
                 req.device_id, inst.id, w.tp_rank, req.tp_rank
             )));
         }
-        if w.traits.completion_by_rpc_only && !req.wait_for_completion {
+        if w.traits.completion_by_rpc_only && req.completion != LoadCompletion::Wait {
             return Err(EngineError::invalid(
                 "loads into this registration complete only by the RPC's return: set wait_for_completion",
             ));
         }
-        if req.loads.is_empty() {
+        if req.leases.is_empty() {
             return Ok(None);
         }
         if req.groups.is_empty() {
@@ -144,7 +137,7 @@ impl Engine {
         for (gi, g) in req.groups.iter().enumerate() {
             let mut layers = Vec::new();
             let mut storage: Option<u32> = None;
-            for name in &g.layer_names {
+            for name in g {
                 if !seen.insert(name.as_str()) {
                     return Err(EngineError::invalid(format!(
                         "layer {name} appears in more than one load group"
@@ -181,9 +174,9 @@ impl Engine {
             groups.push((layers, storage.unwrap_or(0)));
         }
         // Validate every lease before consuming any.
-        let mut leases = Vec::with_capacity(req.loads.len());
+        let mut leases = Vec::with_capacity(req.leases.len());
         let mut seen_leases = HashSet::new();
-        for ll in &req.loads {
+        for ll in &req.leases {
             let id = super::parse_lease(&ll.lease)?;
             if !seen_leases.insert(id) {
                 return Err(EngineError::invalid(
@@ -191,26 +184,26 @@ impl Engine {
                 ));
             }
             let blocks = self.leases.peek(&id, &inst.id)?;
-            if ll.block_ids_by_group.len() != groups.len() {
+            if ll.targets_by_group.len() != groups.len() {
                 return Err(EngineError::invalid(format!(
                     "a lease load has targets for {} groups but the load names {} groups",
-                    ll.block_ids_by_group.len(),
+                    ll.targets_by_group.len(),
                     groups.len()
                 )));
             }
-            for ((layers, storage), targets) in groups.iter().zip(&ll.block_ids_by_group) {
+            for ((layers, storage), targets) in groups.iter().zip(&ll.targets_by_group) {
                 if layers.is_empty() {
                     continue;
                 }
-                if targets.targets.len() != blocks.len() {
+                if targets.len() != blocks.len() {
                     return Err(EngineError::invalid(format!(
                         "query lease block count {} does not match destination block count {}",
                         blocks.len(),
-                        targets.targets.len()
+                        targets.len()
                     )));
                 }
-                for (b, t) in blocks.iter().zip(&targets.targets) {
-                    let Some(pb::load_block_target::Target::BlockId(dst)) = t.target else {
+                for (b, t) in blocks.iter().zip(targets.iter()) {
+                    let Some(dst) = *t else {
                         continue;
                     };
                     if b.group != *storage {
@@ -248,9 +241,9 @@ impl Engine {
         let mut bytes = 0u64;
         for (id, ll) in leases {
             let blocks = self.leases.consume(&id, &inst.id)?;
-            for ((layers, _), targets) in groups.iter().zip(&ll.block_ids_by_group) {
-                for (b, t) in blocks.iter().zip(&targets.targets) {
-                    let Some(pb::load_block_target::Target::BlockId(dst)) = t.target else {
+            for ((layers, _), targets) in groups.iter().zip(&ll.targets_by_group) {
+                for (b, t) in blocks.iter().zip(targets.iter()) {
+                    let Some(dst) = *t else {
                         continue;
                     };
                     for &(_, l, slot, off) in layers {

@@ -6,6 +6,7 @@
 //! release a registration before fencing it and draining its copies (DESIGN.md §6).
 //! Blocking work (copies, unmapping) runs on transports' threads and on the reaper thread.
 
+pub mod command;
 mod instance;
 mod lease;
 mod load;
@@ -22,6 +23,7 @@ use parking_lot::{Mutex, RwLock};
 
 pub use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 pub use crate::store::BlockIndex;
+pub use command::MAX_HASH_BYTES;
 pub use instance::{Instance, Topology, Worker};
 pub use lease::{parse_lease, LeaseTable};
 pub use reaper::Reaper;

@@ -6,18 +6,13 @@ use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pegaflow_proto as pb;
-
+use super::command::{SaveCommand, SaveLayer};
 use super::instance::WorkerLayer;
 use super::{Engine, Inflight};
 use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 use crate::buffer::HostBuffer;
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
-
-/// Longest block hash accepted, in bytes (content hashes are 8–64 bytes in practice; the cap
-/// keeps index keys from growing the heap outside the pool's accounting).
-pub const MAX_HASH_BYTES: usize = 1024;
 
 /// One block of a Save request: which slots it brings and where they go in its buffer.
 struct BlockPlan<'a> {
@@ -68,34 +63,11 @@ pub(super) fn push_ops(
 
 impl Engine {
     /// Save (see the module doc). INVALID_ARGUMENT / FAILED_PRECONDITION before any copy.
-    pub async fn save(&self, req: pb::SaveRequest) -> EngineResult<()> {
+    pub async fn save(&self, req: SaveCommand) -> EngineResult<()> {
         let t_rpc = Instant::now();
-        if req.device_id < 0 {
-            return Err(EngineError::invalid(format!(
-                "device_id must be >= 0, got {}",
-                req.device_id
-            )));
-        }
-        for s in &req.saves {
-            if let Some(h) = s.block_hashes.iter().find(|h| h.len() > MAX_HASH_BYTES) {
-                return Err(EngineError::invalid(format!(
-                    "layer {}: a block hash of {} bytes exceeds the {MAX_HASH_BYTES}-byte limit",
-                    s.layer_name,
-                    h.len()
-                )));
-            }
-            if s.block_ids.len() != s.block_hashes.len() {
-                return Err(EngineError::invalid(format!(
-                    "layer {}: {} block_ids but {} block_hashes",
-                    s.layer_name,
-                    s.block_ids.len(),
-                    s.block_hashes.len()
-                )));
-            }
-        }
         let inst = self.instance(&req.instance_id)?;
-        let saves: Vec<&pb::SaveLayer> = req
-            .saves
+        let saves: Vec<&SaveLayer> = req
+            .layers
             .iter()
             .filter(|s| !s.block_ids.is_empty())
             .collect();
@@ -116,35 +88,35 @@ impl Engine {
         let mut seen = std::collections::HashSet::new();
         let mut layers = Vec::with_capacity(saves.len());
         for s in &saves {
-            if !seen.insert(s.layer_name.as_str()) {
+            if !seen.insert(s.name.as_str()) {
                 return Err(EngineError::invalid(format!(
                     "layer {} appears twice in one save",
-                    s.layer_name
+                    s.name
                 )));
             }
-            let layer = w.layers.get(&s.layer_name).ok_or_else(|| {
+            let layer = w.layers.get(&s.name).ok_or_else(|| {
                 EngineError::invalid(format!(
                     "layer {} is not registered on device_id {} of instance {}",
-                    s.layer_name, req.device_id, inst.id
+                    s.name, req.device_id, inst.id
                 ))
             })?;
             let n = layer.layout.num_blocks();
             if let Some(b) = s.block_ids.iter().find(|&&b| b as u64 >= n) {
                 return Err(EngineError::invalid(format!(
                     "block id {b} out of range for layer {} ({n} blocks)",
-                    s.layer_name
+                    s.name
                 )));
             }
-            let (slot, page_off) = topo.slot_of(&s.layer_name, w.tp_rank).ok_or_else(|| {
+            let (slot, page_off) = topo.slot_of(&s.name, w.tp_rank).ok_or_else(|| {
                 EngineError::invalid(format!(
                     "layer {} is not part of instance {}'s sealed topology",
-                    s.layer_name, inst.id
+                    s.name, inst.id
                 ))
             })?;
-            if topo.layers[&s.layer_name].block_bytes != layer.layout.block_bytes() as usize {
+            if topo.layers[&s.name].block_bytes != layer.layout.block_bytes() as usize {
                 return Err(EngineError::invalid(format!(
                     "layer {} of device_id {} does not match the instance's block geometry",
-                    s.layer_name, req.device_id
+                    s.name, req.device_id
                 )));
             }
             layers.push((layer, slot, page_off));
@@ -153,9 +125,9 @@ impl Engine {
             // Every layer of the worker's shard, with identical ids and hashes.
             let first = saves[0];
             let complete = saves.len() == w.layers.len()
-                && saves.iter().all(|s| {
-                    s.block_ids == first.block_ids && s.block_hashes == first.block_hashes
-                });
+                && saves
+                    .iter()
+                    .all(|s| s.block_ids == first.block_ids && s.hashes == first.hashes);
             if !complete {
                 return Err(EngineError::invalid(format!(
                     "page-first save must carry all {} layers of the shard with the same block ids and hashes",
@@ -176,11 +148,11 @@ impl Engine {
             let block_bytes = layer.layout.block_bytes() as usize;
             let reuse = prev
                 .as_ref()
-                .is_some_and(|(g, h, _)| *g == layer.group && **h == s.block_hashes);
+                .is_some_and(|(g, h, _)| *g == layer.group && **h == s.hashes);
             let positions: Vec<Option<usize>> = if reuse {
                 prev.take().expect("checked").2
             } else {
-                s.block_hashes
+                s.hashes
                     .iter()
                     .map(|hash| {
                         let key = (layer.group, hash.as_slice());
@@ -238,7 +210,7 @@ impl Engine {
                     p.len += block_bytes;
                 }
             }
-            prev = Some((layer.group, &s.block_hashes, positions));
+            prev = Some((layer.group, &s.hashes, positions));
         }
         if plans.is_empty() {
             return Ok(());
