@@ -1,10 +1,19 @@
-//! The engine: instances and their registrations, sealing, the block index, leases, eviction,
-//! and the orchestration of Save and Load.
+//! The engine: a thin orchestrator over its parts.
 //!
-//! Owns every piece of server state. Must never: serve bytes of a block that is not sealed,
-//! let a block id address memory outside its registration, evict a referenced block, or
-//! release a registration before fencing it and draining its copies (DESIGN.md §6).
-//! Blocking work (copies, unmapping) runs on transports' threads and on the reaper thread.
+//! - [`registry`]: instances and workers, their lifecycle (reserve → commit → fence → drain →
+//!   release) and the reaper thread;
+//! - the tier stack ([`crate::store`]): sealed blocks, eviction, demotion, promotion;
+//! - the lease table ([`LeaseTable`]): query leases pinning hit blocks;
+//! - the orchestration of each RPC, on domain commands ([`command`]): `register.rs`,
+//!   `save.rs`, `load.rs`, `query.rs`, each as named steps; this module keeps the shared
+//!   plumbing (copies run to completion on their own task, gauges, flush, housekeeping,
+//!   unregistration).
+//!
+//! Must never: see a wire (`pb::`) type, serve bytes of a block that is not sealed, let a
+//! block id address memory outside its registration, evict a referenced block, change
+//! anything for a request it refuses (every rejection before any side effect), or release a
+//! registration before fencing it and draining its copies (DESIGN.md §6). Blocking work
+//! (copies, unmapping) runs on transports' threads and on the reaper thread.
 
 pub mod command;
 mod instance;

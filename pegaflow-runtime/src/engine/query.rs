@@ -1,7 +1,13 @@
-//! QueryPrefetch: group 0 answers the longest cached prefix; groups > 0 answer membership per
-//! position (all-or-nothing with `wait_for_full_prefix`). Hits are leased to the instance.
+//! QueryPrefetch and Release. Group 0 answers the longest cached prefix through the tier
+//! stack (`Loading` while it promotes a continuation from below DRAM); groups > 0 answer
+//! membership per position in DRAM (all-or-nothing with `wait_for_full_prefix`). Hits are
+//! leased to the instance.
+//!
+//! Owns the query answer and its metrics. Must never: lease a block of another namespace,
+//! mint a lease for a miss, or start promotion I/O itself (the tier stack does, once per query).
 
 use super::command::{QueryAnswer, QueryCommand};
+use super::instance::Instance;
 use super::Engine;
 use crate::block::KeyRef;
 use crate::error::{EngineError, EngineResult};
@@ -23,42 +29,55 @@ impl Engine {
         if req.hashes.is_empty() {
             return Ok(QueryAnswer::miss());
         }
-        let ns: &str = &inst.namespace;
         if req.group_id == 0 {
-            let hits = match self
-                .store
-                .query_prefix(&inst.namespace, &req.req_id, &req.hashes)
-                .await
-            {
-                PrefixAnswer::Ready(hits) => hits,
-                PrefixAnswer::Loading => {
-                    self.metrics
-                        .query_answers
-                        .with_label_values(&["loading"])
-                        .inc();
-                    return Ok(QueryAnswer::Loading);
-                }
-            };
-            self.metrics
-                .query_answers
-                .with_label_values(&["ready"])
-                .inc();
-            let n = hits.len() as u64;
-            let total = req.hashes.len() as u64;
-            self.metrics.cache_block_hits.inc_by(n);
-            self.metrics.cache_block_misses.inc_by(total - n);
-            let tiers = &self.metrics.cache_tier_block_requests;
-            tiers
-                .with_label_values(&[self.store.pool().metric_label()])
-                .inc_by(n);
-            tiers.with_label_values(&["miss"]).inc_by(total - n);
-            if hits.is_empty() {
-                return Ok(QueryAnswer::miss());
-            }
-            let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
-            self.metrics.leases_active.set(self.leases.len() as i64);
-            return Ok(ready(n, lease, vec![]));
+            self.query_prefix(&inst, &req).await
+        } else {
+            self.query_membership(&inst, &req)
         }
+    }
+
+    /// Group 0: the longest cached prefix, through the tier stack (which answers Loading
+    /// while it promotes a continuation from below DRAM); the hits are leased.
+    async fn query_prefix(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+        let hits = match self
+            .store
+            .query_prefix(&inst.namespace, &req.req_id, &req.hashes)
+            .await
+        {
+            PrefixAnswer::Ready(hits) => hits,
+            PrefixAnswer::Loading => {
+                self.metrics
+                    .query_answers
+                    .with_label_values(&["loading"])
+                    .inc();
+                return Ok(QueryAnswer::Loading);
+            }
+        };
+        self.metrics
+            .query_answers
+            .with_label_values(&["ready"])
+            .inc();
+        let n = hits.len() as u64;
+        let total = req.hashes.len() as u64;
+        self.metrics.cache_block_hits.inc_by(n);
+        self.metrics.cache_block_misses.inc_by(total - n);
+        let tiers = &self.metrics.cache_tier_block_requests;
+        tiers
+            .with_label_values(&[self.store.pool().metric_label()])
+            .inc_by(n);
+        tiers.with_label_values(&["miss"]).inc_by(total - n);
+        if hits.is_empty() {
+            return Ok(QueryAnswer::miss());
+        }
+        let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+        self.metrics.leases_active.set(self.leases.len() as i64);
+        Ok(ready(n, lease, vec![]))
+    }
+
+    /// Groups > 0: membership per position (all-or-nothing with `wait_for_full_prefix`), in
+    /// DRAM; the hits are leased.
+    fn query_membership(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+        let ns: &str = &inst.namespace;
         // Membership (group > 0) needs the sealed topology to know the group.
         let topo = {
             let st = inst.state.lock();
