@@ -2,7 +2,7 @@
 //! by the service ([`crate::decode`]), and the engine's domain answers.
 //!
 //! Owns the vocabulary between the gRPC service and the engine. Must never: refer to wire
-//! (`pb::`) types, or carry a field the decoder has not checked for the pure shape rules
+//! (protobuf) types, or carry a field the decoder has not checked for the pure shape rules
 //! (list lengths, signs, caps) the engine relies on. Checks that need server state (instances,
 //! workers, leases, layouts) are the engine's.
 

@@ -9,7 +9,7 @@
 //!   plumbing (copies run to completion on their own task, gauges, flush, housekeeping,
 //!   unregistration).
 //!
-//! Must never: see a wire (`pb::`) type, serve bytes of a block that is not sealed, let a
+//! Must never: see a wire (protobuf) type, serve bytes of a block that is not sealed, let a
 //! block id address memory outside its registration, evict a referenced block, change
 //! anything for a request it refuses (every rejection before any side effect), or release a
 //! registration before fencing it and draining its copies (DESIGN.md §6). Blocking work
