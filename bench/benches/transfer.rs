@@ -113,7 +113,8 @@ fn transfer_benches(c: &mut Criterion) {
                             .expect("query"),
                     );
                     assert_eq!(hits as usize, n, "the batch must stay resident");
-                    let req = fx.load_request(&lease, &targets);
+                    let req = pegaflow_runtime::decode::load(fx.load_request(&lease, &targets))
+                        .expect("a well-formed load");
                     let t = Instant::now();
                     rt.block_on(fx.engine().load(req)).expect("load");
                     total += t.elapsed();

@@ -8,6 +8,7 @@
 pub mod block;
 pub mod buffer;
 pub mod config;
+pub mod decode;
 pub mod engine;
 pub mod entry;
 pub mod error;

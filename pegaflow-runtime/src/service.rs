@@ -1,8 +1,10 @@
-//! The gRPC Engine service: decodes requests, runs the engine (in spawned tasks where a
-//! cancelled RPC must not cut an operation in half), maps errors to status codes, records
-//! `pegaflow_rpc_*` metrics, and tracks Session liveness streams.
+//! The gRPC Engine service: decodes requests into domain commands ([`crate::decode`]), runs
+//! the engine on them (in spawned tasks where a cancelled RPC must not cut an operation in
+//! half), encodes the answers, maps errors to status codes, records `pegaflow_rpc_*` metrics,
+//! and tracks Session liveness streams.
 //!
-//! Must never: block the executor, or answer a status-bearing RPC without `status` set.
+//! Must never: block the executor, answer a status-bearing RPC without `status` set, or hand a
+//! `pb::` type to the engine.
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -17,6 +19,7 @@ use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::ReceiverStream;
 use tonic::{Request, Response, Status};
 
+use crate::decode;
 use crate::engine::Engine;
 use crate::error::{EngineError, EngineResult};
 use crate::metrics::status_label;
@@ -95,8 +98,15 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<pb::RegisterContextResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
-        let req = request.into_inner();
-        let r = Self::detached(async move { engine.register(req).await }).await;
+        let r = match decode::register(request.into_inner()) {
+            Ok(cmd) => Self::detached(async move { engine.register(cmd).await }).await,
+            Err(rejected) => {
+                if let Some((id, device)) = &rejected.pending_fd {
+                    self.engine.discard_pending_fd(id, *device);
+                }
+                Err(rejected.error.into())
+            }
+        };
         self.record("register_context_batch", t0, &r);
         r.map(|()| {
             Response::new(pb::RegisterContextResponse {
@@ -111,8 +121,10 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<pb::SaveResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
-        let req = request.into_inner();
-        let r = Self::detached(async move { engine.save(req).await }).await;
+        let r = match decode::save(request.into_inner()) {
+            Ok(cmd) => Self::detached(async move { engine.save(cmd).await }).await,
+            Err(e) => Err(e.into()),
+        };
         self.record("save", t0, &r);
         r.map(|()| {
             Response::new(pb::SaveResponse {
@@ -127,8 +139,10 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<pb::LoadResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
-        let req = request.into_inner();
-        let r = Self::detached(async move { engine.load(req).await }).await;
+        let r = match decode::load(request.into_inner()) {
+            Ok(cmd) => Self::detached(async move { engine.load(cmd).await }).await,
+            Err(e) => Err(e.into()),
+        };
         self.record("load", t0, &r);
         r.map(|()| {
             Response::new(pb::LoadResponse {
@@ -142,11 +156,15 @@ impl pb::engine_server::Engine for EngineService {
         request: Request<pb::QueryRequest>,
     ) -> Result<Response<pb::QueryResponse>, Status> {
         let t0 = Instant::now();
-        let r = self
-            .engine
-            .query(request.into_inner())
-            .await
-            .map_err(Status::from);
+        let r = match decode::query(request.into_inner()) {
+            Ok(cmd) => self
+                .engine
+                .query(cmd)
+                .await
+                .map(decode::query_response)
+                .map_err(Status::from),
+            Err(e) => Err(e.into()),
+        };
         self.record("query_prefetch", t0, &r);
         r.map(Response::new)
     }

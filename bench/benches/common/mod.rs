@@ -7,6 +7,8 @@ use std::sync::Arc;
 use pegaflow_api::client::{single_group_load, EngineClient, LoadCompletion, QueryOutcome};
 use pegaflow_bench::server::{layer_name, InProcessServer, KvCache};
 use pegaflow_proto as pb;
+use pegaflow_runtime::decode;
+use pegaflow_runtime::engine::command::{QueryAnswer, QueryCommand, SaveCommand};
 use pegaflow_runtime::engine::Engine;
 
 /// An in-process server with one registered host-memfd instance.
@@ -49,9 +51,10 @@ impl Fixture {
         self.server.engine()
     }
 
-    /// The Save request of cache blocks `ids` (every layer) under `hashes`.
-    pub fn save_request(&self, ids: &[u32], hashes: &[Vec<u8>]) -> pb::SaveRequest {
-        pb::SaveRequest {
+    /// The Save command of cache blocks `ids` (every layer) under `hashes`, decoded from its
+    /// wire request as the service does.
+    pub fn save_request(&self, ids: &[u32], hashes: &[Vec<u8>]) -> SaveCommand {
+        decode::save(pb::SaveRequest {
             instance_id: self.instance.clone(),
             tp_rank: 0,
             pp_rank: 0,
@@ -63,18 +66,20 @@ impl Fixture {
                     block_hashes: hashes.to_vec(),
                 })
                 .collect(),
-        }
+        })
+        .expect("a well-formed save")
     }
 
-    /// The Query request of `hashes`.
-    pub fn query_request(&self, hashes: &[Vec<u8>]) -> pb::QueryRequest {
-        pb::QueryRequest {
+    /// The Query command of `hashes`.
+    pub fn query_request(&self, hashes: &[Vec<u8>]) -> QueryCommand {
+        decode::query(pb::QueryRequest {
             instance_id: self.instance.clone(),
             block_hashes: hashes.to_vec(),
             req_id: "bench".into(),
             wait_for_full_prefix: false,
             group_id: 0,
-        }
+        })
+        .expect("a well-formed query")
     }
 
     /// The Load request of `lease` into cache blocks `targets`, returning when copied.
@@ -92,10 +97,17 @@ impl Fixture {
 }
 
 /// The lease of a Ready answer from the engine.
-pub fn lease_of(r: pb::QueryResponse) -> (u64, Vec<u8>) {
-    match r.outcome {
-        Some(pb::query_response::Outcome::Ready(q)) => (q.num_hit_blocks, q.lease),
-        other => panic!("unexpected query outcome {other:?}"),
+pub fn lease_of(r: QueryAnswer) -> (u64, Vec<u8>) {
+    match r {
+        QueryAnswer::Ready {
+            num_hit_blocks,
+            lease,
+            ..
+        } => (
+            num_hit_blocks,
+            lease.map(|l| l.to_vec()).unwrap_or_default(),
+        ),
+        QueryAnswer::Loading => panic!("unexpected Loading"),
     }
 }
 

@@ -1,25 +1,43 @@
-//! Load: validate the whole request (leases, counts, layers, slot shapes), consume the leases,
-//! then copy host → device in one batch. Completion goes to the client's load-state word
-//! (1, or −1 on any failure) or, with `wait_for_completion`, is the RPC's own return.
+//! Load, orchestrated: attach the completion word → validate (worker, ranks, completion mode)
+//! → resolve the load groups to layers → check every lease → consume the leases → plan and
+//! run one batched host → device copy → complete. Completion goes to the client's load-state
+//! word (1, or −1 on any failure) or, with `wait_for_completion`, is the RPC's own return.
+//!
+//! Owns those steps. Must never: consume a lease before every lease, count, layer and slot
+//! shape of the request has been checked (a refused load changes nothing but the −1 it
+//! reports), address a destination block outside the layer's layout, or report success for
+//! a copy that did not finish.
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
 use pegaflow_api::load_state::{LoadState, LOAD_FAILED, LOAD_SUCCESS};
-use pegaflow_proto as pb;
+use pegaflow_api::LEASE_BYTES;
 
-use super::instance::{WorkerLayer, WorkerLease};
+use super::command::{LeaseLoad, LoadCommand, LoadCompletion};
+use super::instance::{Topology, WorkerLayer, WorkerLease};
 use super::Engine;
 use crate::block::SealedBlock;
 use crate::error::{EngineError, EngineResult};
+use crate::metrics::Metrics;
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
+/// A validated load, leases consumed: the copy to run and what it must keep alive.
 struct Prepared {
     wl: WorkerLease,
     ops: Vec<CopyOp>,
     blocks: Vec<Arc<[Arc<SealedBlock>]>>,
     bytes: u64,
+}
+
+/// One layer of a load group: (name, registration, slot, offset in the slot).
+type GroupLayer<'a> = (&'a str, &'a WorkerLayer, usize, usize);
+
+/// One load group resolved: its layers and the storage group they all belong to.
+struct LoadGroup<'a> {
+    layers: Vec<GroupLayer<'a>>,
+    storage: u32,
 }
 
 /// Appends ops copying `len` bytes of `slot` at `slot_off` into `layer`'s block `dst`.
@@ -36,24 +54,9 @@ fn push_load_ops(
 impl Engine {
     /// Load (see the module doc). Validation failures are returned as errors and written as −1
     /// to the load state; nothing is copied.
-    pub async fn load(&self, req: pb::LoadRequest) -> EngineResult<()> {
-        let state = if req.wait_for_completion {
-            if !req.load_state_shm.is_empty() {
-                return Err(EngineError::invalid(
-                    "a load with wait_for_completion must not name a load_state_shm",
-                ));
-            }
-            None
-        } else {
-            let s = LoadState::attach(&req.load_state_shm).map_err(|e| {
-                EngineError::internal(format!(
-                    "cannot attach load state {:?}: {e}",
-                    req.load_state_shm
-                ))
-            })?;
-            Some(s)
-        };
-        let prepared = match self.prepare_load(&req) {
+    pub async fn load(&self, cmd: LoadCommand) -> EngineResult<()> {
+        let state = attach_state(&cmd.completion)?;
+        let prepared = match self.prepare_load(&cmd) {
             Ok(p) => p,
             Err(e) => {
                 if let Some(s) = &state {
@@ -69,36 +72,8 @@ impl Engine {
             }
             return Ok(());
         };
-        let metrics = self.metrics.clone();
-        let transport = p.wl.worker.transport.clone();
-        let batch = CopyBatch {
-            location: p.wl.worker.location,
-            direction: Direction::ToDevice,
-            mode: p.wl.instance.transfer_mode,
-            ops: p.ops,
-        };
-        let bytes = p.bytes;
-        let keep = (p.blocks, p.wl);
-        let task = async move {
-            let t0 = Instant::now();
-            let r = Engine::run_copy(transport, batch, keep).await;
-            match &r {
-                Ok(()) => {
-                    metrics.load_bytes.inc_by(bytes);
-                    metrics.load_duration.observe(t0.elapsed().as_secs_f64());
-                }
-                Err(e) => {
-                    metrics.load_failures.inc();
-                    metrics.transfer_failures.with_label_values(&["h2d"]).inc();
-                    tracing::warn!(error = %e, "load failed");
-                }
-            }
-            if let Some(s) = &state {
-                s.set(if r.is_ok() { LOAD_SUCCESS } else { LOAD_FAILED });
-            }
-            r
-        };
-        if req.wait_for_completion {
+        let task = copy_to_device(self.metrics.clone(), p, state);
+        if cmd.completion == LoadCompletion::Wait {
             task.await
         } else {
             tokio::spawn(task);
@@ -106,84 +81,67 @@ impl Engine {
         }
     }
 
-    fn prepare_load(&self, req: &pb::LoadRequest) -> EngineResult<Option<Prepared>> {
-        if req.device_id < 0 {
-            return Err(EngineError::invalid(format!(
-                "device_id must be >= 0, got {}",
-                req.device_id
-            )));
-        }
-        let inst = self.instance(&req.instance_id)?;
-        let wl = inst.enter(req.device_id)?;
-        let w = wl.worker.clone();
-        if w.tp_rank != req.tp_rank {
-            return Err(EngineError::invalid(format!(
-                "device_id {} of instance {} is registered as tp_rank {}, got {}",
-                req.device_id, inst.id, w.tp_rank, req.tp_rank
-            )));
-        }
-        if w.traits.completion_by_rpc_only && !req.wait_for_completion {
-            return Err(EngineError::invalid(
-                "loads into this registration complete only by the RPC's return: set wait_for_completion",
-            ));
-        }
-        if req.loads.is_empty() {
+    /// Every check, then the leases consumed and the copy planned. `None`: nothing to load.
+    fn prepare_load(&self, cmd: &LoadCommand) -> EngineResult<Option<Prepared>> {
+        let wl = self.resolve_loader(cmd)?;
+        if cmd.leases.is_empty() {
             return Ok(None);
         }
-        if req.groups.is_empty() {
+        if cmd.groups.is_empty() {
             return Err(EngineError::invalid(
                 "a load needs at least one layer group",
             ));
         }
-        let topo = wl.topology.clone();
-        // Resolve load groups to layers and one storage group each.
-        let mut seen = HashSet::new();
-        // Per load group: its layers with their (slot, offset in the slot), and its storage group.
-        type GroupLayers<'a> = Vec<(&'a str, &'a WorkerLayer, usize, usize)>;
-        let mut groups: Vec<(GroupLayers<'_>, u32)> = Vec::new();
-        for (gi, g) in req.groups.iter().enumerate() {
-            let mut layers = Vec::new();
-            let mut storage: Option<u32> = None;
-            for name in &g.layer_names {
-                if !seen.insert(name.as_str()) {
-                    return Err(EngineError::invalid(format!(
-                        "layer {name} appears in more than one load group"
-                    )));
-                }
-                let l = w.layers.get(name).ok_or_else(|| {
-                    EngineError::invalid(format!(
-                        "layer {name} is not registered on device_id {} of instance {}",
-                        req.device_id, inst.id
-                    ))
-                })?;
-                if storage.is_some_and(|s| s != l.group) {
-                    return Err(EngineError::invalid(format!(
-                        "load group {gi} mixes layers of storage groups {} and {}",
-                        storage.unwrap_or_default(),
-                        l.group
-                    )));
-                }
-                storage = Some(l.group);
-                let (slot, off) = topo.slot_of(name, w.tp_rank).ok_or_else(|| {
-                    EngineError::invalid(format!(
-                        "layer {name} is not part of instance {}'s sealed topology",
-                        inst.id
-                    ))
-                })?;
-                if topo.layers[name].block_bytes != l.layout.block_bytes() as usize {
-                    return Err(EngineError::invalid(format!(
-                        "layer {name} of device_id {} does not match the instance's block geometry",
-                        req.device_id
-                    )));
-                }
-                layers.push((name.as_str(), l, slot, off));
-            }
-            groups.push((layers, storage.unwrap_or(0)));
+        let groups = resolve_groups(&wl, cmd)?;
+        let leases = self.check_leases(&wl, cmd, &groups)?;
+        let (ops, blocks, bytes) = self.consume_and_plan(&wl, &groups, leases)?;
+        Ok(Some(Prepared {
+            wl,
+            ops,
+            blocks,
+            bytes,
+        }))
+    }
+
+    /// Enters the instance's gate and resolves the loading worker: its TP rank as the client
+    /// names it, and a completion mode its registration supports.
+    fn resolve_loader(&self, cmd: &LoadCommand) -> EngineResult<WorkerLease> {
+        if cmd.device_id < 0 {
+            return Err(EngineError::invalid(format!(
+                "device_id must be >= 0, got {}",
+                cmd.device_id
+            )));
         }
-        // Validate every lease before consuming any.
-        let mut leases = Vec::with_capacity(req.loads.len());
+        let inst = self.instance(&cmd.instance_id)?;
+        let wl = inst.enter(cmd.device_id)?;
+        let w = &wl.worker;
+        if w.tp_rank != cmd.tp_rank {
+            return Err(EngineError::invalid(format!(
+                "device_id {} of instance {} is registered as tp_rank {}, got {}",
+                cmd.device_id, inst.id, w.tp_rank, cmd.tp_rank
+            )));
+        }
+        if w.traits.completion_by_rpc_only && cmd.completion != LoadCompletion::Wait {
+            return Err(EngineError::invalid(
+                "loads into this registration complete only by the RPC's return: set wait_for_completion",
+            ));
+        }
+        Ok(wl)
+    }
+
+    /// Checks every lease before any is consumed: known, of this instance, once in the load,
+    /// with targets for every group and block, each target in range and each stored slot of
+    /// the shape this instance's layout expects.
+    fn check_leases<'c>(
+        &self,
+        wl: &WorkerLease,
+        cmd: &'c LoadCommand,
+        groups: &[LoadGroup<'_>],
+    ) -> EngineResult<Vec<([u8; LEASE_BYTES], &'c LeaseLoad)>> {
+        let inst = &wl.instance;
+        let mut leases = Vec::with_capacity(cmd.leases.len());
         let mut seen_leases = HashSet::new();
-        for ll in &req.loads {
+        for ll in &cmd.leases {
             let id = super::parse_lease(&ll.lease)?;
             if !seen_leases.insert(id) {
                 return Err(EngineError::invalid(
@@ -191,69 +149,40 @@ impl Engine {
                 ));
             }
             let blocks = self.leases.peek(&id, &inst.id)?;
-            if ll.block_ids_by_group.len() != groups.len() {
+            if ll.targets_by_group.len() != groups.len() {
                 return Err(EngineError::invalid(format!(
                     "a lease load has targets for {} groups but the load names {} groups",
-                    ll.block_ids_by_group.len(),
+                    ll.targets_by_group.len(),
                     groups.len()
                 )));
             }
-            for ((layers, storage), targets) in groups.iter().zip(&ll.block_ids_by_group) {
-                if layers.is_empty() {
-                    continue;
-                }
-                if targets.targets.len() != blocks.len() {
-                    return Err(EngineError::invalid(format!(
-                        "query lease block count {} does not match destination block count {}",
-                        blocks.len(),
-                        targets.targets.len()
-                    )));
-                }
-                for (b, t) in blocks.iter().zip(&targets.targets) {
-                    let Some(pb::load_block_target::Target::BlockId(dst)) = t.target else {
-                        continue;
-                    };
-                    if b.group != *storage {
-                        return Err(EngineError::invalid(format!(
-                            "a block of storage group {} cannot be loaded into layers of group {storage}",
-                            b.group
-                        )));
-                    }
-                    for &(name, l, slot, _) in layers {
-                        if dst as u64 >= l.layout.num_blocks() {
-                            return Err(EngineError::invalid(format!(
-                                "destination block id {dst} out of range for layer {name} ({} blocks)",
-                                l.layout.num_blocks()
-                            )));
-                        }
-                        let ok = b
-                            .slots
-                            .get(slot)
-                            .zip(topo.slot_bytes(b.group, slot))
-                            .is_some_and(|(s, want)| s.len == want);
-                        if !ok {
-                            return Err(EngineError::invalid(format!(
-                                "stored block does not match this instance's layout for layer {name} (namespace {} shared by incompatible layouts?)",
-                                inst.namespace
-                            )));
-                        }
-                    }
-                }
+            for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
+                check_group_targets(&wl.topology, &inst.namespace, g, &blocks, targets)?;
             }
             leases.push((id, ll));
         }
-        // Consume, then plan the copies.
+        Ok(leases)
+    }
+
+    /// Consumes the checked leases and plans the copy of every targeted block.
+    #[allow(clippy::type_complexity)]
+    fn consume_and_plan(
+        &self,
+        wl: &WorkerLease,
+        groups: &[LoadGroup<'_>],
+        leases: Vec<([u8; LEASE_BYTES], &LeaseLoad)>,
+    ) -> EngineResult<(Vec<CopyOp>, Vec<Arc<[Arc<SealedBlock>]>>, u64)> {
         let mut ops = Vec::new();
         let mut held = Vec::with_capacity(leases.len());
         let mut bytes = 0u64;
         for (id, ll) in leases {
-            let blocks = self.leases.consume(&id, &inst.id)?;
-            for ((layers, _), targets) in groups.iter().zip(&ll.block_ids_by_group) {
-                for (b, t) in blocks.iter().zip(&targets.targets) {
-                    let Some(pb::load_block_target::Target::BlockId(dst)) = t.target else {
+            let blocks = self.leases.consume(&id, &wl.instance.id)?;
+            for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
+                for (b, t) in blocks.iter().zip(targets.iter()) {
+                    let Some(dst) = *t else {
                         continue;
                     };
-                    for &(_, l, slot, off) in layers {
+                    for &(_, l, slot, off) in &g.layers {
                         push_load_ops(&mut ops, l, dst as u64, &b.slots[slot], off);
                         bytes += l.layout.block_bytes();
                     }
@@ -262,11 +191,158 @@ impl Engine {
             held.push(blocks);
         }
         self.metrics.leases_active.set(self.leases.len() as i64);
-        Ok(Some(Prepared {
-            wl,
-            ops,
-            blocks: held,
-            bytes,
-        }))
+        Ok((ops, held, bytes))
     }
+}
+
+/// The client's load-state word, when the load reports through one.
+fn attach_state(completion: &LoadCompletion) -> EngineResult<Option<LoadState>> {
+    match completion {
+        LoadCompletion::Wait => Ok(None),
+        LoadCompletion::StateWord(name) => LoadState::attach(name)
+            .map(Some)
+            .map_err(|e| EngineError::internal(format!("cannot attach load state {name:?}: {e}"))),
+    }
+}
+
+/// Resolves the load groups to layers (each layer in one group only, registered on the
+/// worker, part of the sealed topology with its geometry) and one storage group each.
+fn resolve_groups<'a>(
+    wl: &'a WorkerLease,
+    cmd: &'a LoadCommand,
+) -> EngineResult<Vec<LoadGroup<'a>>> {
+    let w = &wl.worker;
+    let topo = &wl.topology;
+    let inst = &wl.instance;
+    let mut seen = HashSet::new();
+    let mut groups = Vec::with_capacity(cmd.groups.len());
+    for (gi, g) in cmd.groups.iter().enumerate() {
+        let mut layers = Vec::new();
+        let mut storage: Option<u32> = None;
+        for name in g {
+            if !seen.insert(name.as_str()) {
+                return Err(EngineError::invalid(format!(
+                    "layer {name} appears in more than one load group"
+                )));
+            }
+            let l = w.layers.get(name).ok_or_else(|| {
+                EngineError::invalid(format!(
+                    "layer {name} is not registered on device_id {} of instance {}",
+                    cmd.device_id, inst.id
+                ))
+            })?;
+            if storage.is_some_and(|s| s != l.group) {
+                return Err(EngineError::invalid(format!(
+                    "load group {gi} mixes layers of storage groups {} and {}",
+                    storage.unwrap_or_default(),
+                    l.group
+                )));
+            }
+            storage = Some(l.group);
+            let (slot, off) = topo.slot_of(name, w.tp_rank).ok_or_else(|| {
+                EngineError::invalid(format!(
+                    "layer {name} is not part of instance {}'s sealed topology",
+                    inst.id
+                ))
+            })?;
+            if topo.layers[name].block_bytes != l.layout.block_bytes() as usize {
+                return Err(EngineError::invalid(format!(
+                    "layer {name} of device_id {} does not match the instance's block geometry",
+                    cmd.device_id
+                )));
+            }
+            layers.push((name.as_str(), l, slot, off));
+        }
+        groups.push(LoadGroup {
+            layers,
+            storage: storage.unwrap_or(0),
+        });
+    }
+    Ok(groups)
+}
+
+/// Checks one load group's targets for one lease's blocks: one target per block, blocks of
+/// the group's storage group, destinations in range, stored slots of the expected size.
+fn check_group_targets(
+    topo: &Topology,
+    namespace: &str,
+    g: &LoadGroup<'_>,
+    blocks: &[Arc<SealedBlock>],
+    targets: &[Option<u32>],
+) -> EngineResult<()> {
+    if g.layers.is_empty() {
+        return Ok(());
+    }
+    if targets.len() != blocks.len() {
+        return Err(EngineError::invalid(format!(
+            "query lease block count {} does not match destination block count {}",
+            blocks.len(),
+            targets.len()
+        )));
+    }
+    let storage = g.storage;
+    for (b, t) in blocks.iter().zip(targets) {
+        let Some(dst) = *t else {
+            continue;
+        };
+        if b.group != storage {
+            return Err(EngineError::invalid(format!(
+                "a block of storage group {} cannot be loaded into layers of group {storage}",
+                b.group
+            )));
+        }
+        for &(name, l, slot, _) in &g.layers {
+            if dst as u64 >= l.layout.num_blocks() {
+                return Err(EngineError::invalid(format!(
+                    "destination block id {dst} out of range for layer {name} ({} blocks)",
+                    l.layout.num_blocks()
+                )));
+            }
+            let ok = b
+                .slots
+                .get(slot)
+                .zip(topo.slot_bytes(b.group, slot))
+                .is_some_and(|(s, want)| s.len == want);
+            if !ok {
+                return Err(EngineError::invalid(format!(
+                    "stored block does not match this instance's layout for layer {name} (namespace {namespace} shared by incompatible layouts?)"
+                )));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// The copy of a prepared load, to completion, with its metrics and its completion word.
+async fn copy_to_device(
+    metrics: Arc<Metrics>,
+    p: Prepared,
+    state: Option<LoadState>,
+) -> EngineResult<()> {
+    let transport = p.wl.worker.transport.clone();
+    let batch = CopyBatch {
+        location: p.wl.worker.location,
+        direction: Direction::ToDevice,
+        mode: p.wl.instance.transfer_mode,
+        ops: p.ops,
+    };
+    let bytes = p.bytes;
+    let keep = (p.blocks, p.wl);
+    let t0 = Instant::now();
+    let r = Engine::run_copy(transport, batch, keep).await;
+    match &r {
+        Ok(()) => {
+            metrics.load_bytes.inc_by(bytes);
+            metrics.load_duration.observe(t0.elapsed().as_secs_f64());
+        }
+        Err(e) => {
+            metrics.load_failures.inc();
+            metrics.transfer_failures.with_label_values(&["h2d"]).inc();
+            tracing::warn!(error = %e, "load failed");
+        }
+    }
+    if let Some(s) = &state {
+        s.set(if r.is_ok() { LOAD_SUCCESS } else { LOAD_FAILED });
+    }
+    r
 }

@@ -1,30 +1,43 @@
-//! The engine: instances and their registrations, sealing, the block index, leases, eviction,
-//! and the orchestration of Save and Load.
+//! The engine: a thin orchestrator over its parts.
 //!
-//! Owns every piece of server state. Must never: serve bytes of a block that is not sealed,
-//! let a block id address memory outside its registration, evict a referenced block, or
-//! release a registration before fencing it and draining its copies (DESIGN.md §6).
-//! Blocking work (copies, unmapping) runs on transports' threads and on the reaper thread.
+//! - [`registry`]: instances and workers, their lifecycle (reserve → commit → fence → drain →
+//!   release) and the reaper thread;
+//! - the tier stack ([`crate::store`]): sealed blocks, eviction, demotion, promotion;
+//! - the lease table ([`LeaseTable`]): query leases pinning hit blocks;
+//! - the orchestration of each RPC, on domain commands ([`command`]): `register.rs`,
+//!   `save.rs`, `load.rs`, `query.rs`, each as named steps; this module keeps the shared
+//!   plumbing (copies run to completion on their own task, gauges, flush, housekeeping,
+//!   unregistration).
+//!
+//! Must never: see a wire (protobuf) type, serve bytes of a block that is not sealed, let a
+//! block id address memory outside its registration, evict a referenced block, change
+//! anything for a request it refuses (every rejection before any side effect), or release a
+//! registration before fencing it and draining its copies (DESIGN.md §6). Blocking work
+//! (copies, unmapping) runs on transports' threads and on the reaper thread.
 
+pub mod command;
 mod instance;
 mod lease;
 mod load;
 mod query;
 mod reaper;
 mod register;
+pub mod registry;
 mod save;
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use parking_lot::{Mutex, RwLock};
+use parking_lot::Mutex;
 
 pub use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 pub use crate::store::BlockIndex;
+pub use command::MAX_HASH_BYTES;
 pub use instance::{Instance, Topology, Worker};
 pub use lease::{parse_lease, LeaseTable};
 pub use reaper::Reaper;
+pub use registry::Registry;
 
 use crate::buffer::HostBuffer;
 use crate::config::EngineConfig;
@@ -87,14 +100,10 @@ pub struct Engine {
     peer: Option<Arc<dyn crate::plugin::PeerService>>,
     registrars: Vec<Arc<dyn Registrar>>,
     transports: Vec<Arc<dyn Transport>>,
-    instances: RwLock<HashMap<Arc<str>, Arc<Instance>>>,
+    registry: Registry,
     inflight: Mutex<HashMap<BlockKey, Inflight>>,
     leases: LeaseTable,
     metrics: Arc<Metrics>,
-    reaper: Reaper,
-    /// Ids of instances being torn down: a registration under one is refused (a native client
-    /// mints a fresh id per attempt), so no registration crosses the teardown of its id.
-    closing: Mutex<std::collections::HashSet<Arc<str>>>,
     /// Saves hold the read side while running; Flush takes the write side.
     flush_barrier: tokio::sync::RwLock<()>,
     fd_channel: Option<Arc<FdChannel>>,
@@ -105,7 +114,7 @@ pub struct Engine {
 impl std::fmt::Debug for Engine {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("Engine")
-            .field("instances", &self.instances.read().len())
+            .field("instances", &self.registry.len())
             .field("store", &self.store)
             .finish()
     }
@@ -131,16 +140,14 @@ impl Engine {
                 Duration::from_secs(parts.config.lease_ttl_secs),
                 parts.config.max_leases_per_instance,
             ),
+            registry: Registry::new(parts.config.max_instances, Reaper::start(256)),
             config: parts.config,
             store,
             peer: parts.peer,
             registrars: parts.registrars,
             transports: parts.transports,
-            instances: RwLock::new(HashMap::new()),
             inflight: Mutex::new(HashMap::new()),
             metrics: parts.metrics,
-            reaper: Reaper::start(256),
-            closing: Mutex::new(std::collections::HashSet::new()),
             flush_barrier: tokio::sync::RwLock::new(()),
             fd_channel: parts.fd_channel,
             fd_stats_seen: Mutex::new(Default::default()),
@@ -178,23 +185,17 @@ impl Engine {
     }
 
     fn instance(&self, id: &str) -> EngineResult<Arc<Instance>> {
-        self.instances
-            .read()
-            .get(id)
-            .cloned()
-            .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))
+        self.registry.get(id)
+    }
+
+    /// The registry of instances and workers.
+    pub fn registry(&self) -> &Registry {
+        &self.registry
     }
 
     /// Ids of the registered instances, sorted.
     pub fn instance_ids(&self) -> Vec<String> {
-        let mut v: Vec<String> = self
-            .instances
-            .read()
-            .keys()
-            .map(|k| k.to_string())
-            .collect();
-        v.sort();
-        v
+        self.registry.ids()
     }
 
     /// Refreshes the gauges derived from state (pool, index, leases, instances).
@@ -212,7 +213,7 @@ impl Engine {
         let expired = self.leases.expired_total();
         m.leases_expired
             .inc_by(expired.saturating_sub(m.leases_expired.get()));
-        m.instances.set(self.instances.read().len() as i64);
+        m.instances.set(self.registry.len() as i64);
         if let Some(c) = &self.fd_channel {
             let now = c.stats();
             let mut seen = self.fd_stats_seen.lock();
@@ -279,58 +280,22 @@ impl Engine {
 
     /// [`Engine::unregister`], returning how many layer registrations (tensors) it released.
     pub async fn unregister_counting(&self, id: &str) -> EngineResult<usize> {
-        let inst = {
-            let mut map = self.instances.write();
-            let inst = map
-                .remove(id)
-                .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))?;
-            self.fence(&inst);
-            inst
-        };
-        Ok(self.teardown(inst).await)
-    }
-
-    /// Marks an instance closing (under the instances lock, so no registration can reserve on
-    /// it in between): new work and new workers are refused from here on.
-    fn fence(&self, inst: &Arc<Instance>) {
-        self.closing.lock().insert(inst.id.clone());
-        inst.state.lock().closing = true;
-    }
-
-    /// Drains a fenced instance's copies, drops its leases and releases its registrations on the
-    /// reaper thread. A registration importing meanwhile finds the instance closing at commit
-    /// and releases its own memory.
-    async fn teardown(&self, inst: Arc<Instance>) -> usize {
-        // Drain: waits for every Save/Load holding the gate.
-        let drained = inst.gate.write().await;
-        let workers = std::mem::take(&mut inst.state.lock().workers);
-        let dropped = self.leases.drop_instance(&inst.id);
-        let n = workers.len();
-        let tensors: usize = workers.values().map(|w| w.layers.len()).sum();
-        self.reaper.release(workers).await;
-        drop(drained);
-        self.closing.lock().remove(&inst.id);
-        tracing::info!(instance = %inst.id, workers = n, tensors, leases = dropped, "instance unregistered");
+        let inst = self.registry.remove_fenced(id)?;
+        let tensors = self.registry.teardown(inst, &self.leases).await;
         self.update_gauges();
-        tensors
+        Ok(tensors)
     }
 
     /// Unregisters every instance (HTTP cleanup, shutdown). Returns their ids and how many
     /// layer registrations (tensors) were released.
     pub async fn unregister_all(&self) -> (Vec<String>, usize) {
-        let all: Vec<Arc<Instance>> = {
-            let mut map = self.instances.write();
-            let all: Vec<Arc<Instance>> = map.drain().map(|(_, v)| v).collect();
-            for inst in &all {
-                self.fence(inst);
-            }
-            all
-        };
+        let all = self.registry.remove_all_fenced();
         let mut ids = Vec::new();
         let mut tensors = 0;
         for inst in all {
             ids.push(inst.id.to_string());
-            tensors += self.teardown(inst).await;
+            tensors += self.registry.teardown(inst, &self.leases).await;
+            self.update_gauges();
         }
         ids.sort();
         (ids, tensors)

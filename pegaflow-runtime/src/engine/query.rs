@@ -1,76 +1,83 @@
-//! QueryPrefetch: group 0 answers the longest cached prefix; groups > 0 answer membership per
-//! position (all-or-nothing with `wait_for_full_prefix`). Hits are leased to the instance.
+//! QueryPrefetch and Release. Group 0 answers the longest cached prefix through the tier
+//! stack (`Loading` while it promotes a continuation from below DRAM); groups > 0 answer
+//! membership per position in DRAM (all-or-nothing with `wait_for_full_prefix`). Hits are
+//! leased to the instance.
+//!
+//! Owns the query answer and its metrics. Must never: lease a block of another namespace,
+//! mint a lease for a miss, or start promotion I/O itself (the tier stack does, once per query).
 
-use pegaflow_proto as pb;
-
+use super::command::{QueryAnswer, QueryCommand};
+use super::instance::Instance;
 use super::Engine;
 use crate::block::KeyRef;
 use crate::error::{EngineError, EngineResult};
 use crate::store::PrefixAnswer;
 
-fn ready(num: u64, lease: Vec<u8>, hit_positions: Vec<u32>) -> pb::QueryResponse {
-    pb::QueryResponse {
-        outcome: Some(pb::query_response::Outcome::Ready(pb::QueryReady {
-            num_hit_blocks: num,
-            lease,
-            hit_positions,
-        })),
-    }
-}
-
-fn loading() -> pb::QueryResponse {
-    pb::QueryResponse {
-        outcome: Some(pb::query_response::Outcome::Loading(pb::QueryLoading {})),
+fn ready(num: u64, lease: [u8; pegaflow_api::LEASE_BYTES], hit_positions: Vec<u32>) -> QueryAnswer {
+    QueryAnswer::Ready {
+        num_hit_blocks: num,
+        lease: Some(lease),
+        hit_positions,
     }
 }
 
 impl Engine {
-    /// QueryPrefetch. Empty `req_id` → INVALID_ARGUMENT; unknown instance →
+    /// QueryPrefetch (`req_id` checked by the decoder). Unknown instance →
     /// FAILED_PRECONDITION; empty hash list → a miss.
-    pub async fn query(&self, req: pb::QueryRequest) -> EngineResult<pb::QueryResponse> {
-        if req.req_id.is_empty() {
-            return Err(EngineError::invalid("req_id must not be empty"));
-        }
+    pub async fn query(&self, req: QueryCommand) -> EngineResult<QueryAnswer> {
         let inst = self.instance(&req.instance_id)?;
-        if req.block_hashes.is_empty() {
-            return Ok(ready(0, vec![], vec![]));
+        if req.hashes.is_empty() {
+            return Ok(QueryAnswer::miss());
         }
-        let ns: &str = &inst.namespace;
         if req.group_id == 0 {
-            let hits = match self
-                .store
-                .query_prefix(&inst.namespace, &req.req_id, &req.block_hashes)
-                .await
-            {
-                PrefixAnswer::Ready(hits) => hits,
-                PrefixAnswer::Loading => {
-                    self.metrics
-                        .query_answers
-                        .with_label_values(&["loading"])
-                        .inc();
-                    return Ok(loading());
-                }
-            };
-            self.metrics
-                .query_answers
-                .with_label_values(&["ready"])
-                .inc();
-            let n = hits.len() as u64;
-            let total = req.block_hashes.len() as u64;
-            self.metrics.cache_block_hits.inc_by(n);
-            self.metrics.cache_block_misses.inc_by(total - n);
-            let tiers = &self.metrics.cache_tier_block_requests;
-            tiers
-                .with_label_values(&[self.store.pool().metric_label()])
-                .inc_by(n);
-            tiers.with_label_values(&["miss"]).inc_by(total - n);
-            if hits.is_empty() {
-                return Ok(ready(0, vec![], vec![]));
-            }
-            let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
-            self.metrics.leases_active.set(self.leases.len() as i64);
-            return Ok(ready(n, lease.to_vec(), vec![]));
+            self.query_prefix(&inst, &req).await
+        } else {
+            self.query_membership(&inst, &req)
         }
+    }
+
+    /// Group 0: the longest cached prefix, through the tier stack (which answers Loading
+    /// while it promotes a continuation from below DRAM); the hits are leased.
+    async fn query_prefix(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+        let hits = match self
+            .store
+            .query_prefix(&inst.namespace, &req.req_id, &req.hashes)
+            .await
+        {
+            PrefixAnswer::Ready(hits) => hits,
+            PrefixAnswer::Loading => {
+                self.metrics
+                    .query_answers
+                    .with_label_values(&["loading"])
+                    .inc();
+                return Ok(QueryAnswer::Loading);
+            }
+        };
+        self.metrics
+            .query_answers
+            .with_label_values(&["ready"])
+            .inc();
+        let n = hits.len() as u64;
+        let total = req.hashes.len() as u64;
+        self.metrics.cache_block_hits.inc_by(n);
+        self.metrics.cache_block_misses.inc_by(total - n);
+        let tiers = &self.metrics.cache_tier_block_requests;
+        tiers
+            .with_label_values(&[self.store.pool().metric_label()])
+            .inc_by(n);
+        tiers.with_label_values(&["miss"]).inc_by(total - n);
+        if hits.is_empty() {
+            return Ok(QueryAnswer::miss());
+        }
+        let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+        self.metrics.leases_active.set(self.leases.len() as i64);
+        Ok(ready(n, lease, vec![]))
+    }
+
+    /// Groups > 0: membership per position (all-or-nothing with `wait_for_full_prefix`), in
+    /// DRAM; the hits are leased.
+    fn query_membership(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+        let ns: &str = &inst.namespace;
         // Membership (group > 0) needs the sealed topology to know the group.
         let topo = {
             let st = inst.state.lock();
@@ -92,7 +99,7 @@ impl Engine {
         }
         let mut hits = Vec::new();
         let mut positions = Vec::new();
-        for (i, h) in req.block_hashes.iter().enumerate() {
+        for (i, h) in req.hashes.iter().enumerate() {
             if let Some(b) = self.store.get_touch(KeyRef {
                 namespace: ns,
                 group: req.group_id,
@@ -102,13 +109,13 @@ impl Engine {
                 positions.push(i as u32);
             }
         }
-        if hits.is_empty() || (req.wait_for_full_prefix && hits.len() != req.block_hashes.len()) {
+        if hits.is_empty() || (req.wait_for_full_prefix && hits.len() != req.hashes.len()) {
             // All-or-nothing: a short answer is a miss without a lease.
-            return Ok(ready(0, vec![], vec![]));
+            return Ok(QueryAnswer::miss());
         }
         let n = hits.len() as u64;
         let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
-        Ok(ready(n, lease.to_vec(), positions))
+        Ok(ready(n, lease, positions))
     }
 
     /// Release: drops a lease whatever its remaining shares.

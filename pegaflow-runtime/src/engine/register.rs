@@ -1,372 +1,90 @@
-//! RegisterContextBatch: validation, the worker's memory import, and topology sealing.
+//! RegisterContextBatch, orchestrated: check the command against the server (registration
+//! kind of the instance, a registrar for the payload and its limits) → reserve the device id
+//! in the [registry](super::registry) → import the memory through the registrar → build the
+//! worker (one transport, every layer's layout bounded by its region) → commit it (the last
+//! worker seals the topology).
+//!
+//! Owns those steps and their rollback. Must never: change anything before the checks pass
+//! (no instance is created for a refused command), keep a reservation or an imported region
+//! of a failed registration, or drop an imported region on the executor (the reaper does).
 
-use std::collections::HashSet;
 use std::sync::Arc;
 
-use pegaflow_api::{is_side_channel_safe_id, KvLayout, TransferMode};
-use pegaflow_proto as pb;
+use pegaflow_api::{is_side_channel_safe_id, KvLayout};
 
-use super::instance::{Instance, InstanceState, Topology, Worker, WorkerLayer};
+use super::command::RegisterCommand;
+use super::instance::{Instance, Worker, WorkerLayer};
+use super::registry::check_mix;
 use super::Engine;
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{
-    ImportRequest, NativeView, PayloadCarrier, Registrar, RegistrarError, RegistrationPayload,
+    ImportRequest, LayerRegion, PayloadCarrier, Registrar, RegistrarError, RegistrarTraits,
+    RegistrationPayload,
 };
-
-/// The published client's version this server speaks.
-pub const SERVER_VERSION: &str = pb::PUBLISHED_CLIENT_VERSION;
-
-/// Whether `v` is a client version this server accepts: the published 0.25.x client, or this
-/// project's native client of the same wire revision.
-pub fn accepts_client_version(v: &str) -> bool {
-    if v == pb::NATIVE_CLIENT_VERSION {
-        return true;
-    }
-    match v.strip_prefix("0.25.") {
-        Some(patch) => !patch.is_empty() && patch.bytes().all(|b| b.is_ascii_digit()),
-        None => false,
-    }
-}
-
-/// A validated registration.
-struct Spec {
-    payload: RegistrationPayload,
-    block_strides: Option<Vec<u64>>,
-    groups: Vec<u32>,
-    transfer_mode: TransferMode,
-}
-
-fn validate(req: &pb::RegisterContextRequest) -> EngineResult<Spec> {
-    if !accepts_client_version(&req.client_version) {
-        let client = if req.client_version.is_empty() {
-            "<missing>"
-        } else {
-            &req.client_version
-        };
-        return Err(EngineError::precondition(format!(
-            "PegaFlow version mismatch: client={client} server={SERVER_VERSION} (this server accepts 0.25.x and {})",
-            pb::NATIVE_CLIENT_VERSION
-        )));
-    }
-    if req.instance_id.is_empty() {
-        return Err(EngineError::invalid("instance_id must not be empty"));
-    }
-    if req.device_id < 0 {
-        return Err(EngineError::invalid(format!(
-            "device_id must be >= 0, got {}",
-            req.device_id
-        )));
-    }
-    if req.tp_size == 0 {
-        return Err(EngineError::invalid("tp_size must be > 0"));
-    }
-    if req.world_size == 0 {
-        return Err(EngineError::invalid("world_size must be > 0"));
-    }
-    if req.tp_rank >= req.tp_size {
-        return Err(EngineError::invalid(format!(
-            "tp_rank {} must be < tp_size {}",
-            req.tp_rank, req.tp_size
-        )));
-    }
-    let transfer_mode = TransferMode::from_wire(req.transfer_mode).ok_or_else(|| {
-        EngineError::invalid(format!("unknown transfer_mode {}", req.transfer_mode))
-    })?;
-    let n = req.layer_names.len();
-    if n == 0 {
-        return Err(EngineError::invalid(
-            "at least one layer must be registered",
-        ));
-    }
-    let lens = [
-        ("num_blocks", req.num_blocks.len()),
-        ("bytes_per_block", req.bytes_per_block.len()),
-        ("kv_stride_bytes", req.kv_stride_bytes.len()),
-        ("segments", req.segments.len()),
-    ];
-    for (name, len) in lens {
-        if len != n {
-            return Err(EngineError::invalid(format!(
-                "{name} has {len} entries but layer_names has {n}"
-            )));
-        }
-    }
-    if !req.layer_group_ids.is_empty() && req.layer_group_ids.len() != n {
-        return Err(EngineError::invalid(format!(
-            "layer_group_ids has {} entries but layer_names has {n}",
-            req.layer_group_ids.len()
-        )));
-    }
-    let mut seen = HashSet::new();
-    for name in &req.layer_names {
-        if name.is_empty() {
-            return Err(EngineError::invalid("layer names must not be empty"));
-        }
-        if !seen.insert(name.as_str()) {
-            return Err(EngineError::invalid(format!("duplicate layer name {name}")));
-        }
-    }
-    let native = req.memory_kind != 0 || !req.native_kv_tensors.is_empty();
-    let (payload, block_strides) = if native {
-        if req.client_version != pb::NATIVE_CLIENT_VERSION {
-            return Err(EngineError::precondition(format!(
-                "native registration fields need client_version {} (the native wire revision), got {}",
-                pb::NATIVE_CLIENT_VERSION,
-                req.client_version
-            )));
-        }
-        if !req.wrapper_bytes.is_empty() {
-            return Err(EngineError::invalid(
-                "a registration carries either wrapper_bytes or native_kv_tensors, not both",
-            ));
-        }
-        if req.memory_kind <= 0 {
-            return Err(EngineError::invalid(format!(
-                "native registration needs a memory_kind (field 102) > 0, got {}",
-                req.memory_kind
-            )));
-        }
-        if req.native_kv_tensors.len() != n {
-            return Err(EngineError::invalid(format!(
-                "native_kv_tensors has {} entries but layer_names has {n}",
-                req.native_kv_tensors.len()
-            )));
-        }
-        if !is_side_channel_safe_id(&req.instance_id) {
-            return Err(EngineError::invalid(format!(
-                "native instance_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
-                req.instance_id
-            )));
-        }
-        if req.native_alloc_size == 0 {
-            return Err(EngineError::invalid("native_alloc_size must be > 0"));
-        }
-        let mut views = Vec::with_capacity(n);
-        for (i, t) in req.native_kv_tensors.iter().enumerate() {
-            if t.size_bytes == 0 || t.block_stride_bytes == 0 {
-                return Err(EngineError::invalid(format!(
-                    "native_kv_tensors[{i}] needs size_bytes > 0 and block_stride_bytes > 0"
-                )));
-            }
-            if t.offset_bytes.checked_add(t.size_bytes).is_none() {
-                return Err(EngineError::invalid(format!(
-                    "native_kv_tensors[{i}] offset + size overflows"
-                )));
-            }
-            views.push(NativeView {
-                offset_bytes: t.offset_bytes,
-                size_bytes: t.size_bytes,
-                block_stride_bytes: t.block_stride_bytes,
-            });
-        }
-        let strides = views.iter().map(|v| v.block_stride_bytes).collect();
-        (
-            RegistrationPayload::SideChannel {
-                memory_kind: req.memory_kind,
-                alloc_size: req.native_alloc_size,
-                views,
-            },
-            Some(strides),
-        )
-    } else {
-        if req.wrapper_bytes.len() != n {
-            return Err(EngineError::invalid(format!(
-                "wrapper_bytes has {} entries but layer_names has {n}",
-                req.wrapper_bytes.len()
-            )));
-        }
-        (
-            RegistrationPayload::LayerBlobs(req.wrapper_bytes.clone()),
-            None,
-        )
-    };
-    let groups = if req.layer_group_ids.is_empty() {
-        vec![0; n]
-    } else {
-        req.layer_group_ids.clone()
-    };
-    if req.page_first && groups.iter().any(|&g| g != 0) {
-        return Err(EngineError::invalid(
-            "page_first cannot be combined with more than one storage group",
-        ));
-    }
-    Ok(Spec {
-        payload,
-        block_strides,
-        groups,
-        transfer_mode,
-    })
-}
-
-/// An instance holds either per-layer-blob (Python client) or side-channel (native)
-/// registrations, never both.
-fn check_mix(i: &Instance, native: bool) -> EngineResult<()> {
-    if i.native != native {
-        return Err(EngineError::precondition(format!(
-            "instance {} already has {} registrations; an instance cannot mix Python (per-layer blob) and native (side-channel) registrations",
-            i.id,
-            if i.native { "native" } else { "Python" }
-        )));
-    }
-    Ok(())
-}
 
 impl Engine {
     /// Registers one worker's KV memory (RegisterContextBatch).
     ///
-    /// Validates every field (INVALID_ARGUMENT / FAILED_PRECONDITION with nothing changed),
-    /// imports the memory through the pipeline's registrar for the payload kind, bounds-checks
-    /// every layer, and seals the topology when the last worker joins.
-    pub async fn register(&self, req: pb::RegisterContextRequest) -> EngineResult<()> {
-        let spec = match validate(&req) {
-            Ok(s) => s,
-            Err(e) => {
-                self.discard_pending_fd(&req);
-                return Err(e);
-            }
-        };
-        let native = spec.payload.carrier() != PayloadCarrier::LayerBlobs;
-        let mixed = self
-            .instances
-            .read()
-            .get(req.instance_id.as_str())
-            .map_or(Ok(()), |i| check_mix(i, native));
-        if let Err(e) = mixed {
-            self.discard_pending_fd(&req);
-            return Err(e);
-        }
-        let registrar = match self.registrar_for(&req, &spec.payload) {
+    /// `cmd` is shape-checked ([`crate::decode::register`]); this checks it against the server
+    /// (FAILED_PRECONDITION / INVALID_ARGUMENT with nothing changed), imports the memory
+    /// through the pipeline's registrar for the payload kind, bounds-checks every layer, and
+    /// seals the topology when the last worker joins.
+    pub async fn register(&self, mut cmd: RegisterCommand) -> EngineResult<()> {
+        let registrar = match self.check_registration(&cmd) {
             Ok(r) => r,
             Err(e) => {
-                self.discard_pending_fd(&req);
+                self.discard_failed_fd(&cmd);
                 return Err(e);
             }
         };
         // A refused reservation (e.g. the device is already registering) leaves the side
         // channel alone: the pending descriptor may belong to the registration in progress.
-        let inst = self.reserve(&req, native, spec.transfer_mode)?;
-        let result = self.register_worker(&inst, &req, spec, registrar).await;
+        let inst = self.registry.reserve(&cmd, cmd.native())?;
+        let payload = std::mem::replace(&mut cmd.payload, RegistrationPayload::LayerBlobs(vec![]));
+        let native = matches!(payload, RegistrationPayload::SideChannel { .. });
+        let result = self.register_worker(&inst, &cmd, payload, registrar).await;
         if let Err(e) = &result {
-            self.discard_pending_fd(&req);
-            // Map lock first, then the instance's state (the order `reserve` uses), so no
-            // registration can reserve on this instance between the check and the removal.
-            let mut map = self.instances.write();
-            let mut st = inst.state.lock();
-            st.importing.remove(&req.device_id);
-            if st.workers.is_empty()
-                && st.importing.is_empty()
-                && map.get(&*inst.id).is_some_and(|i| Arc::ptr_eq(i, &inst))
-            {
-                map.remove(&*inst.id);
+            if native {
+                self.discard_pending_fd(&cmd.instance_id, cmd.device_id);
             }
-            drop(st);
-            drop(map);
-            tracing::warn!(instance = %req.instance_id, device = req.device_id, error = %e, "registration rejected");
+            self.registry.abandon(&inst, cmd.device_id);
+            tracing::warn!(instance = %cmd.instance_id, device = cmd.device_id, error = %e, "registration rejected");
         }
         self.update_gauges();
         result
     }
 
-    /// Closes a descriptor the client sent for this (failed) registration, so that it can
-    /// resend under the same key at once instead of waiting for the pending TTL.
-    fn discard_pending_fd(&self, req: &pb::RegisterContextRequest) {
-        let native = req.memory_kind != 0 || !req.native_kv_tensors.is_empty();
-        if let (true, Some(c)) = (native, &self.fd_channel) {
-            if is_side_channel_safe_id(&req.instance_id)
-                && c.discard(&req.instance_id, req.device_id)
-            {
-                tracing::info!(instance = %req.instance_id, device = req.device_id, "discarded the side-channel fd of a failed registration");
-            }
+    /// The checks against server state that precede the reservation (no side effect): the
+    /// instance's registration kind, and a registrar for the payload.
+    fn check_registration(&self, cmd: &RegisterCommand) -> EngineResult<Arc<dyn Registrar>> {
+        if let Some(i) = self.registry.find(&cmd.instance_id) {
+            check_mix(&i, cmd.native())?;
+        }
+        self.registrar_for(cmd, &cmd.payload)
+    }
+
+    fn discard_failed_fd(&self, cmd: &RegisterCommand) {
+        if cmd.native() {
+            self.discard_pending_fd(&cmd.instance_id, cmd.device_id);
         }
     }
 
-    /// Gets or creates the instance and reserves the device id for this registration.
-    fn reserve(
-        &self,
-        req: &pb::RegisterContextRequest,
-        native: bool,
-        transfer_mode: TransferMode,
-    ) -> EngineResult<Arc<Instance>> {
-        let mut map = self.instances.write();
-        if self.closing.lock().contains(req.instance_id.as_str()) {
-            return Err(EngineError::precondition(format!(
-                "instance {} is still being torn down; register under a fresh instance id",
-                req.instance_id
-            )));
-        }
-        let inst = match map.get(req.instance_id.as_str()) {
-            Some(i) => {
-                if i.tp_size != req.tp_size
-                    || i.world_size != req.world_size
-                    || i.page_first != req.page_first
-                {
-                    return Err(EngineError::precondition(format!(
-                        "topology mismatch for instance {}: registered tp_size={} world_size={} page_first={}, got tp_size={} world_size={} page_first={}",
-                        i.id, i.tp_size, i.world_size, i.page_first, req.tp_size, req.world_size, req.page_first
-                    )));
-                }
-                if *i.namespace != req.namespace {
-                    return Err(EngineError::precondition(format!(
-                        "instance {} is registered in namespace {:?}, got {:?}",
-                        i.id, i.namespace, req.namespace
-                    )));
-                }
-                check_mix(i, native)?;
-                i.clone()
+    /// Closes a descriptor the client sent on the side channel for a failed native
+    /// registration, so that it can resend under the same key at once instead of waiting for
+    /// the pending TTL. The service calls it for requests refused while decoding.
+    pub fn discard_pending_fd(&self, instance_id: &str, device_id: i32) {
+        if let Some(c) = &self.fd_channel {
+            if is_side_channel_safe_id(instance_id) && c.discard(instance_id, device_id) {
+                tracing::info!(instance = %instance_id, device = device_id, "discarded the side-channel fd of a failed registration");
             }
-            None => {
-                if map.len() >= self.config.max_instances {
-                    return Err(EngineError::ResourceExhausted(format!(
-                        "{} instances are registered (the limit)",
-                        map.len()
-                    )));
-                }
-                let i = Arc::new(Instance {
-                    id: req.instance_id.as_str().into(),
-                    namespace: req.namespace.as_str().into(),
-                    tp_size: req.tp_size,
-                    world_size: req.world_size,
-                    page_first: req.page_first,
-                    transfer_mode,
-                    native,
-                    state: parking_lot::Mutex::new(InstanceState::default()),
-                    gate: Arc::new(tokio::sync::RwLock::new(())),
-                });
-                map.insert(i.id.clone(), i.clone());
-                i
-            }
-        };
-        let mut st = inst.state.lock();
-        if st.closing {
-            return Err(EngineError::precondition(format!(
-                "instance {} is closing",
-                inst.id
-            )));
         }
-        if st.workers.contains_key(&req.device_id) || st.importing.contains(&req.device_id) {
-            return Err(EngineError::precondition(format!(
-                "GPU context for device {} already exists in instance {}",
-                req.device_id, inst.id
-            )));
-        }
-        if st.topology.is_some()
-            || st.workers.len() + st.importing.len() >= inst.world_size as usize
-        {
-            return Err(EngineError::precondition(format!(
-                "instance {} is already fully registered ({} workers); device {} cannot join",
-                inst.id, inst.world_size, req.device_id
-            )));
-        }
-        st.importing.insert(req.device_id);
-        drop(st);
-        Ok(inst)
     }
 
     /// The pipeline's registrar for what `payload` carries, with its declared limits checked
     /// against the request (no side effect).
     fn registrar_for(
         &self,
-        req: &pb::RegisterContextRequest,
+        req: &RegisterCommand,
         payload: &RegistrationPayload,
     ) -> EngineResult<Arc<dyn Registrar>> {
         let carrier = payload.carrier();
@@ -407,19 +125,36 @@ impl Engine {
         Ok(registrar)
     }
 
+    /// Import → build → commit. On failure every imported region is released.
     async fn register_worker(
         &self,
         inst: &Arc<Instance>,
-        req: &pb::RegisterContextRequest,
-        spec: Spec,
+        req: &RegisterCommand,
+        payload: RegistrationPayload,
         registrar: Arc<dyn Registrar>,
     ) -> EngineResult<()> {
-        let traits = registrar.traits();
+        let regions = self.import(req, payload, &registrar).await?;
+        match self.build_worker(registrar.traits(), req, regions) {
+            Ok(worker) => self.registry.commit(inst, worker).await,
+            Err((e, regions)) => {
+                self.registry.reaper().release(regions).await;
+                Err(e)
+            }
+        }
+    }
+
+    /// Imports the memory: one region per layer of the command.
+    async fn import(
+        &self,
+        req: &RegisterCommand,
+        payload: RegistrationPayload,
+        registrar: &Arc<dyn Registrar>,
+    ) -> EngineResult<Vec<LayerRegion>> {
         let regions = registrar
             .import(ImportRequest {
                 instance_id: req.instance_id.clone(),
                 device_id: req.device_id,
-                payload: spec.payload,
+                payload,
             })
             .await
             .map_err(|e| match e {
@@ -429,33 +164,25 @@ impl Engine {
                     EngineError::internal(format!("register tensor failed: {m}"))
                 }
             })?;
-        if regions.len() != req.layer_names.len() {
+        if regions.len() != req.layers.len() {
             let n = regions.len();
-            self.reaper.release(regions).await;
+            self.registry.reaper().release(regions).await;
             return Err(EngineError::internal(format!(
                 "registrar {} returned {n} regions for {} layers",
                 registrar.kind(),
-                req.layer_names.len()
+                req.layers.len()
             )));
         }
-        match self.build_worker(traits, req, regions, spec.block_strides, &spec.groups) {
-            Ok(worker) => self.commit_worker(inst, worker).await,
-            Err((e, regions)) => {
-                self.reaper.release(regions).await;
-                Err(e)
-            }
-        }
+        Ok(regions)
     }
 
     #[allow(clippy::type_complexity)]
     fn build_worker(
         &self,
-        traits: crate::plugin::RegistrarTraits,
-        req: &pb::RegisterContextRequest,
-        regions: Vec<crate::plugin::LayerRegion>,
-        strides: Option<Vec<u64>>,
-        groups: &[u32],
-    ) -> Result<Worker, (EngineError, Vec<crate::plugin::LayerRegion>)> {
+        traits: RegistrarTraits,
+        req: &RegisterCommand,
+        regions: Vec<LayerRegion>,
+    ) -> Result<Worker, (EngineError, Vec<LayerRegion>)> {
         let location = regions[0].memory.location();
         if regions.iter().any(|r| r.memory.location() != location) {
             return Err((
@@ -478,14 +205,14 @@ impl Engine {
             ));
         };
         let mut layers = std::collections::HashMap::new();
-        for (i, region) in regions.iter().enumerate() {
-            let name = &req.layer_names[i];
+        for (spec, region) in req.layers.iter().zip(&regions) {
+            let name = &spec.name;
             let layout = KvLayout::new(
-                req.num_blocks[i],
-                req.bytes_per_block[i],
-                req.segments[i],
-                req.kv_stride_bytes[i],
-                strides.as_ref().map(|s| s[i]),
+                spec.num_blocks,
+                spec.bytes_per_block,
+                spec.segments,
+                spec.kv_stride_bytes,
+                spec.block_stride_bytes,
                 region.len,
             );
             match layout {
@@ -495,7 +222,7 @@ impl Engine {
                         WorkerLayer {
                             region: region.clone(),
                             layout,
-                            group: groups[i],
+                            group: spec.group,
                         },
                     );
                 }
@@ -513,78 +240,5 @@ impl Engine {
             traits,
             location,
         })
-    }
-
-    async fn commit_worker(&self, inst: &Arc<Instance>, worker: Worker) -> EngineResult<()> {
-        let device = worker.device_id;
-        let worker = Arc::new(worker);
-        let rejected = {
-            let mut st = inst.state.lock();
-            st.importing.remove(&device);
-            if st.closing {
-                Some((
-                    EngineError::precondition(format!(
-                        "instance {} was unregistered while device {device} was registering",
-                        inst.id
-                    )),
-                    Some(worker.clone()),
-                ))
-            } else if st.topology.is_some() || st.workers.len() >= inst.world_size as usize {
-                Some((
-                    EngineError::precondition(format!(
-                        "instance {} is already fully registered ({} workers); device {device} cannot join",
-                        inst.id, inst.world_size
-                    )),
-                    Some(worker.clone()),
-                ))
-            } else {
-                st.workers.insert(device, worker.clone());
-                if st.workers.len() as u32 == inst.world_size {
-                    match Topology::seal(&st.workers, inst.tp_size, inst.page_first) {
-                        Ok(t) => {
-                            st.topology = Some(Arc::new(t));
-                            None
-                        }
-                        Err(e) => {
-                            let w = st.workers.remove(&device);
-                            Some((e, w))
-                        }
-                    }
-                } else {
-                    None
-                }
-            }
-        };
-        if let Some((e, w)) = rejected {
-            drop(worker);
-            self.reaper.release(w).await;
-            return Err(e);
-        }
-        tracing::info!(
-            instance = %inst.id,
-            device,
-            tp_rank = worker.tp_rank,
-            pp_rank = worker.pp_rank,
-            layers = worker.layers.len(),
-            transport = worker.transport.kind(),
-            "worker registered"
-        );
-        Ok(())
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn version_gate() {
-        assert!(accepts_client_version("0.25.1"));
-        assert!(accepts_client_version("0.25.7"));
-        assert!(accepts_client_version(pb::NATIVE_CLIENT_VERSION));
-        assert!(!accepts_client_version("0.26.0"));
-        assert!(!accepts_client_version("0.25."));
-        assert!(!accepts_client_version("0.25.1+native-v0"));
-        assert!(!accepts_client_version(""));
     }
 }

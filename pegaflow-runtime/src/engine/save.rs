@@ -1,23 +1,23 @@
-//! Save: validate everything, allocate host buffers (evicting under pressure), copy device →
-//! host in one batch, then seal the blocks whose slots are all present. A block saved here is
-//! queryable as soon as Save returns.
+//! Save, orchestrated: resolve the worker (gate entered, ranks checked) → check every layer
+//! and block id → plan one block per (group, hash) not yet resident → allocate host buffers
+//! (the store evicts under pressure) → copy device → host in one batch → seal the blocks
+//! whose slots are all present. A block saved here is queryable as soon as Save returns.
+//!
+//! Owns those steps and the partially saved blocks (`inflight`). Must never: allocate or copy
+//! before every check passed, address a block id outside its layer's layout, seal a block
+//! with a missing slot, or let the worker's gate guard go before the copy is done.
 
 use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pegaflow_proto as pb;
-
-use super::instance::WorkerLayer;
+use super::command::{SaveCommand, SaveLayer};
+use super::instance::{Instance, Topology, WorkerLayer, WorkerLease};
 use super::{Engine, Inflight};
 use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 use crate::buffer::HostBuffer;
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
-
-/// Longest block hash accepted, in bytes (content hashes are 8–64 bytes in practice; the cap
-/// keeps index keys from growing the heap outside the pool's accounting).
-pub const MAX_HASH_BYTES: usize = 1024;
 
 /// One block of a Save request: which slots it brings and where they go in its buffer.
 struct BlockPlan<'a> {
@@ -66,36 +66,19 @@ pub(super) fn push_ops(
     }
 }
 
+/// A save layer resolved against the worker: its registration, its slot and its offset in
+/// the slot.
+type ResolvedLayer<'a> = (&'a WorkerLayer, usize, usize);
+
 impl Engine {
-    /// Save (see the module doc). INVALID_ARGUMENT / FAILED_PRECONDITION before any copy.
-    pub async fn save(&self, req: pb::SaveRequest) -> EngineResult<()> {
+    /// Save (see the module doc): validate → resolve the worker → check the layers → plan →
+    /// allocate → copy → seal. INVALID_ARGUMENT / FAILED_PRECONDITION before any allocation
+    /// or copy.
+    pub async fn save(&self, cmd: SaveCommand) -> EngineResult<()> {
         let t_rpc = Instant::now();
-        if req.device_id < 0 {
-            return Err(EngineError::invalid(format!(
-                "device_id must be >= 0, got {}",
-                req.device_id
-            )));
-        }
-        for s in &req.saves {
-            if let Some(h) = s.block_hashes.iter().find(|h| h.len() > MAX_HASH_BYTES) {
-                return Err(EngineError::invalid(format!(
-                    "layer {}: a block hash of {} bytes exceeds the {MAX_HASH_BYTES}-byte limit",
-                    s.layer_name,
-                    h.len()
-                )));
-            }
-            if s.block_ids.len() != s.block_hashes.len() {
-                return Err(EngineError::invalid(format!(
-                    "layer {}: {} block_ids but {} block_hashes",
-                    s.layer_name,
-                    s.block_ids.len(),
-                    s.block_hashes.len()
-                )));
-            }
-        }
-        let inst = self.instance(&req.instance_id)?;
-        let saves: Vec<&pb::SaveLayer> = req
-            .saves
+        let inst = self.instance(&cmd.instance_id)?;
+        let saves: Vec<&SaveLayer> = cmd
+            .layers
             .iter()
             .filter(|s| !s.block_ids.is_empty())
             .collect();
@@ -103,68 +86,34 @@ impl Engine {
             return Ok(());
         }
         let _flush = self.flush_barrier.read().await;
-        let wl = inst.enter(req.device_id)?;
-        let w = wl.worker.clone();
-        if w.tp_rank != req.tp_rank || w.pp_rank != req.pp_rank {
-            return Err(EngineError::invalid(format!(
-                "device_id {} of instance {} is registered as tp_rank {} pp_rank {}, got tp_rank {} pp_rank {}",
-                req.device_id, inst.id, w.tp_rank, w.pp_rank, req.tp_rank, req.pp_rank
-            )));
+        let wl = resolve_saver(&inst, &cmd)?;
+        let layers = check_save_layers(&wl, &cmd, &saves)?;
+        let plans = self.plan_save(&inst.namespace, &wl.topology, &saves, &layers)?;
+        if plans.is_empty() {
+            return Ok(());
         }
-        let topo = wl.topology.clone();
-        // Validate every layer and block id before planning anything.
-        let mut seen = std::collections::HashSet::new();
-        let mut layers = Vec::with_capacity(saves.len());
-        for s in &saves {
-            if !seen.insert(s.layer_name.as_str()) {
-                return Err(EngineError::invalid(format!(
-                    "layer {} appears twice in one save",
-                    s.layer_name
-                )));
-            }
-            let layer = w.layers.get(&s.layer_name).ok_or_else(|| {
-                EngineError::invalid(format!(
-                    "layer {} is not registered on device_id {} of instance {}",
-                    s.layer_name, req.device_id, inst.id
-                ))
-            })?;
-            let n = layer.layout.num_blocks();
-            if let Some(b) = s.block_ids.iter().find(|&&b| b as u64 >= n) {
-                return Err(EngineError::invalid(format!(
-                    "block id {b} out of range for layer {} ({n} blocks)",
-                    s.layer_name
-                )));
-            }
-            let (slot, page_off) = topo.slot_of(&s.layer_name, w.tp_rank).ok_or_else(|| {
-                EngineError::invalid(format!(
-                    "layer {} is not part of instance {}'s sealed topology",
-                    s.layer_name, inst.id
-                ))
-            })?;
-            if topo.layers[&s.layer_name].block_bytes != layer.layout.block_bytes() as usize {
-                return Err(EngineError::invalid(format!(
-                    "layer {} of device_id {} does not match the instance's block geometry",
-                    s.layer_name, req.device_id
-                )));
-            }
-            layers.push((layer, slot, page_off));
-        }
-        if topo.page_first {
-            // Every layer of the worker's shard, with identical ids and hashes.
-            let first = saves[0];
-            let complete = saves.len() == w.layers.len()
-                && saves.iter().all(|s| {
-                    s.block_ids == first.block_ids && s.block_hashes == first.block_hashes
-                });
-            if !complete {
-                return Err(EngineError::invalid(format!(
-                    "page-first save must carry all {} layers of the shard with the same block ids and hashes",
-                    w.layers.len()
-                )));
-            }
-        }
+        let bufs = self.allocate_save(&plans)?;
+        self.copy_to_host(&wl, &plans, &bufs).await?;
+        self.seal(&inst.namespace, &wl.topology.groups, plans, bufs);
+        // The gate guard goes last: teardown may only release the worker once nothing here
+        // refers to it.
+        drop(layers);
+        drop(wl);
+        self.update_gauges();
+        tracing::debug!(instance = %inst.id, total_us = t_rpc.elapsed().as_micros() as u64, "save done");
+        Ok(())
+    }
+
+    /// Plans the blocks: one entry per (group, hash) not yet resident, in request order, with
+    /// the slots this worker brings and the device parts that fill them.
+    fn plan_save<'a>(
+        &self,
+        ns: &Arc<str>,
+        topo: &Topology,
+        saves: &[&'a SaveLayer],
+        layers: &[ResolvedLayer<'a>],
+    ) -> EngineResult<Vec<BlockPlan<'a>>> {
         // Plan: one entry per (group, hash) not yet resident, in request order.
-        let ns = &inst.namespace;
         let mut plans: Vec<BlockPlan<'_>> = Vec::new();
         let mut by_key: HashMap<(u32, &[u8]), usize> = HashMap::new();
         // Layers usually carry the same hash list: reuse the previous layer's position → plan
@@ -172,15 +121,15 @@ impl Engine {
         // (group, hash list, plan index per position) of the previous layer.
         type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<usize>>);
         let mut prev: Option<Positions<'_>> = None;
-        for (s, &(layer, slot, page_off)) in saves.iter().zip(&layers) {
+        for (s, &(layer, slot, page_off)) in saves.iter().zip(layers) {
             let block_bytes = layer.layout.block_bytes() as usize;
             let reuse = prev
                 .as_ref()
-                .is_some_and(|(g, h, _)| *g == layer.group && **h == s.block_hashes);
+                .is_some_and(|(g, h, _)| *g == layer.group && **h == s.hashes);
             let positions: Vec<Option<usize>> = if reuse {
                 prev.take().expect("checked").2
             } else {
-                s.block_hashes
+                s.hashes
                     .iter()
                     .map(|hash| {
                         let key = (layer.group, hash.as_slice());
@@ -238,34 +187,45 @@ impl Engine {
                     p.len += block_bytes;
                 }
             }
-            prev = Some((layer.group, &s.block_hashes, positions));
+            prev = Some((layer.group, &s.hashes, positions));
         }
-        if plans.is_empty() {
-            return Ok(());
-        }
+        Ok(plans)
+    }
+
+    /// Host buffers for the plans, all or nothing (the store evicts under pressure).
+    fn allocate_save(&self, plans: &[BlockPlan<'_>]) -> EngineResult<Vec<Arc<HostBuffer>>> {
         let lens: Vec<usize> = plans.iter().map(|p| p.len).collect();
-        let bufs: Vec<Arc<HostBuffer>> = self
+        Ok(self
             .store
             .allocate(&lens)?
             .into_iter()
             .map(Arc::new)
-            .collect();
+            .collect())
+    }
+
+    /// One batched device → host copy of every planned part, with its metrics.
+    async fn copy_to_host(
+        &self,
+        wl: &WorkerLease,
+        plans: &[BlockPlan<'_>],
+        bufs: &[Arc<HostBuffer>],
+    ) -> EngineResult<()> {
         let mut ops = Vec::new();
-        for (p, buf) in plans.iter().zip(&bufs) {
+        for (p, buf) in plans.iter().zip(bufs) {
             for &(layer, bid, off) in &p.parts {
                 push_ops(&mut ops, layer, bid as u64, buf, off);
             }
         }
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
         let batch = CopyBatch {
-            location: w.location,
+            location: wl.worker.location,
             direction: Direction::ToHost,
-            mode: inst.transfer_mode,
+            mode: wl.instance.transfer_mode,
             ops,
         };
         let t0 = Instant::now();
-        let transport = w.transport.clone();
-        let keep = (bufs.clone(), wl.worker.clone());
+        let transport = wl.worker.transport.clone();
+        let keep = (bufs.to_vec(), wl.worker.clone());
         let r = Self::run_copy(transport, batch, keep).await;
         if let Err(e) = r {
             self.metrics
@@ -275,8 +235,8 @@ impl Engine {
             return Err(e);
         }
         tracing::debug!(
-            instance = %inst.id,
-            blocks = lens.len(),
+            instance = %wl.instance.id,
+            blocks = plans.len(),
             bytes,
             copy_us = t0.elapsed().as_micros() as u64,
             "save copied"
@@ -285,14 +245,6 @@ impl Engine {
         self.metrics
             .save_duration
             .observe(t0.elapsed().as_secs_f64());
-        self.seal(&inst.namespace, &topo.groups, plans, bufs);
-        // The gate guard goes last: teardown may only release the worker once nothing here
-        // refers to it.
-        drop(layers);
-        drop(w);
-        drop(wl);
-        self.update_gauges();
-        tracing::debug!(instance = %inst.id, total_us = t_rpc.elapsed().as_micros() as u64, "save done");
         Ok(())
     }
 
@@ -370,4 +322,82 @@ impl Engine {
         let bytes: u64 = inflight.values().map(|e| e.footprint).sum();
         self.metrics.inflight_bytes.set(bytes as i64);
     }
+}
+
+/// Enters the instance's gate and resolves the saving worker; its ranks must be the ones the
+/// client names.
+fn resolve_saver(inst: &Arc<Instance>, req: &SaveCommand) -> EngineResult<WorkerLease> {
+    let wl = inst.enter(req.device_id)?;
+    let w = &wl.worker;
+    if w.tp_rank != req.tp_rank || w.pp_rank != req.pp_rank {
+        return Err(EngineError::invalid(format!(
+            "device_id {} of instance {} is registered as tp_rank {} pp_rank {}, got tp_rank {} pp_rank {}",
+            req.device_id, inst.id, w.tp_rank, w.pp_rank, req.tp_rank, req.pp_rank
+        )));
+    }
+    Ok(wl)
+}
+
+/// Checks every layer and block id against the worker and the sealed topology before
+/// anything is planned; page-first saves must carry the whole shard.
+fn check_save_layers<'a>(
+    wl: &'a WorkerLease,
+    req: &SaveCommand,
+    saves: &[&SaveLayer],
+) -> EngineResult<Vec<ResolvedLayer<'a>>> {
+    let w = &wl.worker;
+    let topo = &wl.topology;
+    let inst = &wl.instance;
+    // Validate every layer and block id before planning anything.
+    let mut seen = std::collections::HashSet::new();
+    let mut layers = Vec::with_capacity(saves.len());
+    for s in saves {
+        if !seen.insert(s.name.as_str()) {
+            return Err(EngineError::invalid(format!(
+                "layer {} appears twice in one save",
+                s.name
+            )));
+        }
+        let layer = w.layers.get(&s.name).ok_or_else(|| {
+            EngineError::invalid(format!(
+                "layer {} is not registered on device_id {} of instance {}",
+                s.name, req.device_id, inst.id
+            ))
+        })?;
+        let n = layer.layout.num_blocks();
+        if let Some(b) = s.block_ids.iter().find(|&&b| b as u64 >= n) {
+            return Err(EngineError::invalid(format!(
+                "block id {b} out of range for layer {} ({n} blocks)",
+                s.name
+            )));
+        }
+        let (slot, page_off) = topo.slot_of(&s.name, w.tp_rank).ok_or_else(|| {
+            EngineError::invalid(format!(
+                "layer {} is not part of instance {}'s sealed topology",
+                s.name, inst.id
+            ))
+        })?;
+        if topo.layers[&s.name].block_bytes != layer.layout.block_bytes() as usize {
+            return Err(EngineError::invalid(format!(
+                "layer {} of device_id {} does not match the instance's block geometry",
+                s.name, req.device_id
+            )));
+        }
+        layers.push((layer, slot, page_off));
+    }
+    if topo.page_first {
+        // Every layer of the worker's shard, with identical ids and hashes.
+        let first = saves[0];
+        let complete = saves.len() == w.layers.len()
+            && saves
+                .iter()
+                .all(|s| s.block_ids == first.block_ids && s.hashes == first.hashes);
+        if !complete {
+            return Err(EngineError::invalid(format!(
+                "page-first save must carry all {} layers of the shard with the same block ids and hashes",
+                w.layers.len()
+            )));
+        }
+    }
+    Ok(layers)
 }
