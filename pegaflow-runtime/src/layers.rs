@@ -13,7 +13,7 @@
 //! Each forwards every trait method explicitly (the traits have no default methods).
 
 use std::collections::HashSet;
-use std::hash::{BuildHasher, Hash, Hasher};
+use std::hash::BuildHasher;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -379,9 +379,7 @@ impl AdmissionTier {
     }
 
     fn fingerprint(&self, k: &BlockKey) -> u64 {
-        let mut h = self.hasher.build_hasher();
-        k.hash(&mut h);
-        h.finish()
+        self.hasher.hash_one(k)
     }
 
     /// Records a sighting; true when the key had been seen before.
