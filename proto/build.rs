@@ -4,9 +4,13 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
     // SAFETY: build scripts are single-threaded; nothing else reads the environment concurrently.
     unsafe { std::env::set_var("PROTOC", protoc) };
     println!("cargo:rerun-if-changed=proto/engine.proto");
+    // Both sides are generated; each is compiled only with its cargo feature (`client`,
+    // `server`), so the generated file does not depend on which features are on.
     tonic_prost_build::configure()
         .build_client(true)
         .build_server(true)
+        .client_mod_attribute(".", r#"#[cfg(feature = "client")]"#)
+        .server_mod_attribute(".", r#"#[cfg(feature = "server")]"#)
         .compile_protos(&["proto/engine.proto"], &["proto"])?;
     Ok(())
 }

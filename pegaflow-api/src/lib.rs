@@ -5,6 +5,8 @@
 //! both depend on it.
 
 pub mod client;
+#[cfg(feature = "cuda")]
+pub mod cuda_driver;
 pub mod error;
 pub mod fd;
 pub mod layout;

@@ -8,7 +8,7 @@
 //! [`crate::native::Connected::register`] sends on the side channel; the server imports its own
 //! reference, so the allocation's memory outlives either side's handle alone.
 //!
-//! libcuda is loaded at run time (cudarc, `dynamic-loading`): without a driver every
+//! libcuda is loaded at run time by [`crate::cuda_driver`]: without a driver every
 //! constructor fails with a [`VmmError`] starting "CUDA driver not available:"; nothing
 //! panics. Every method binds the device's primary context on the calling thread and blocks
 //! until its work is done, so call them from a thread that may block (not from an async
@@ -21,10 +21,18 @@ use std::sync::OnceLock;
 use cudarc::driver::sys;
 use pegaflow_proto as pb;
 
+use crate::cuda_driver::{self, DriverUnavailable};
+
 /// A CUDA failure, with the driver call and error name where there is one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct VmmError(pub String);
+
+impl From<DriverUnavailable> for VmmError {
+    fn from(e: DriverUnavailable) -> Self {
+        VmmError(e.to_string())
+    }
+}
 
 fn check(r: sys::CUresult, what: &str) -> Result<(), VmmError> {
     if r == sys::CUresult::CUDA_SUCCESS {
@@ -34,14 +42,10 @@ fn check(r: sys::CUresult, what: &str) -> Result<(), VmmError> {
     }
 }
 
-fn unavailable(why: impl std::fmt::Display) -> VmmError {
-    VmmError(format!("CUDA driver not available: {why}"))
-}
-
-/// Every driver symbol this module calls; all must resolve before any is called, because
-/// cudarc's loader panics on a missing one.
+/// Every driver symbol this module calls besides `cuInit` (which [`cuda_driver::init`]
+/// checks and calls); all must resolve before any is called, because cudarc's loader panics
+/// on a missing one.
 const REQUIRED_SYMBOLS: &[&str] = &[
-    "cuInit",
     "cuDeviceGetCount",
     "cuDeviceGet",
     "cuDeviceGetAttribute",
@@ -65,47 +69,16 @@ const REQUIRED_SYMBOLS: &[&str] = &[
 
 static DRIVER: OnceLock<Result<(), VmmError>> = OnceLock::new();
 
-fn load() -> Result<(), VmmError> {
-    // SAFETY: is_culib_present only tries dlopen on candidate names and closes them again.
-    let present = std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
-    if !present {
-        return Err(unavailable(
-            "libcuda.so.1 could not be loaded (no NVIDIA driver on this machine, or not on the \
-             library path)",
-        ));
-    }
-    let missing = std::panic::catch_unwind(|| {
-        // SAFETY: culib() loads the library found present above; get() only resolves names.
-        let lib = unsafe { sys::culib() };
-        REQUIRED_SYMBOLS
-            .iter()
-            .filter(|name| {
-                // SAFETY: resolving a symbol has no side effect; the pointer is never called.
-                unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err()
-            })
-            .copied()
-            .collect::<Vec<_>>()
-    })
-    .map_err(|_| unavailable("loading libcuda panicked"))?;
-    if !missing.is_empty() {
-        return Err(unavailable(format!(
-            "libcuda lacks {} (driver too old for CUDA VMM?)",
-            missing.join(", ")
-        )));
-    }
-    std::panic::catch_unwind(|| {
-        // SAFETY: every symbol was resolved above; cuInit(0) is the documented first call.
-        check(unsafe { sys::cuInit(0) }, "cuInit").map_err(unavailable)
-    })
-    .unwrap_or_else(|_| Err(unavailable("cuInit panicked")))
-}
-
 /// Checks once per process (then caches the answer) that libcuda loads, exports every symbol
-/// this module calls, and initialises.
+/// this module calls, and initialises (through the shared [`cuda_driver::init`]).
 ///
 /// Errors: [`VmmError`] "CUDA driver not available: ..." otherwise.
 pub fn driver_available() -> Result<(), VmmError> {
-    DRIVER.get_or_init(load).clone()
+    DRIVER
+        .get_or_init(|| {
+            cuda_driver::init(REQUIRED_SYMBOLS, "driver too old for CUDA VMM?").map_err(Into::into)
+        })
+        .clone()
 }
 
 fn attribute(attr: sys::CUdevice_attribute, dev: sys::CUdevice) -> Result<i32, VmmError> {

@@ -3,6 +3,10 @@
 //! The Engine service is byte-compatible with the published PegaFlow client 0.25.1
 //! (`shared/protocol/engine-wire.md`); this project's extensions live on field numbers ≥ 100
 //! so that a 0.25.1 client neither sends nor misreads them.
+//!
+//! The message types are always compiled; the gRPC clients (`engine_client`,
+//! `meta_server_client`) only with the cargo feature `client`, the servers (`engine_server`,
+//! `meta_server_server`) only with `server`, so a client crate links no server code.
 
 #![allow(clippy::all, missing_docs)]
 

@@ -2,7 +2,8 @@
 //! list, primary contexts, and the `cuda-registry` thread.
 //!
 //! Owns: deciding once per process whether the driver is usable ([`driver`]): libcuda must load,
-//! export every symbol this crate calls, and `cuInit` must succeed; the ordinal ↔ UUID map;
+//! export every symbol this crate calls, and `cuInit` must succeed (checked by the process's one
+//! loader, [`pegaflow_api::cuda_driver`]); the ordinal ↔ UUID map;
 //! retaining each device's primary context (once, for the process's lifetime); and the
 //! registry thread ([`Registry`]), which runs every IPC open/close and event wait, fed by a
 //! bounded request queue, and keeps the refcounted table of open IPC mappings.
@@ -14,17 +15,23 @@
 //! available:" when the driver itself is missing.
 
 use std::collections::HashMap;
-use std::ffi::c_void;
 use std::panic::AssertUnwindSafe;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{mpsc, Arc, OnceLock};
 
 use cudarc::driver::sys;
+use pegaflow_api::cuda_driver::{self, DriverUnavailable};
 
 /// A CUDA failure, with the driver's error name where there is one.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 #[error("{0}")]
 pub struct CudaError(pub String);
+
+impl From<DriverUnavailable> for CudaError {
+    fn from(e: DriverUnavailable) -> Self {
+        CudaError(e.to_string())
+    }
+}
 
 /// Checks a driver result; `what` names the call for the message.
 pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<(), CudaError> {
@@ -35,10 +42,10 @@ pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<(), CudaError> {
     }
 }
 
-/// Every driver symbol this crate calls; all must resolve before any is called, because
+/// Every driver symbol this crate calls besides `cuInit` (which the shared loader,
+/// [`cuda_driver::init`], checks and calls); all must resolve before any is called, because
 /// cudarc's dynamic loader panics on a missing one.
 const REQUIRED_SYMBOLS: &[&str] = &[
-    "cuInit",
     "cuDriverGetVersion",
     "cuDeviceGetCount",
     "cuDeviceGet",
@@ -121,43 +128,17 @@ impl std::fmt::Debug for Driver {
 }
 
 fn unavailable(why: impl std::fmt::Display) -> CudaError {
-    CudaError(format!("CUDA driver not available: {why}"))
+    DriverUnavailable::new(why).into()
 }
 
 fn load() -> Result<Driver, CudaError> {
-    // SAFETY: is_culib_present only tries dlopen on candidate names and closes them again.
-    let present = std::panic::catch_unwind(|| unsafe { sys::is_culib_present() }).unwrap_or(false);
-    if !present {
-        return Err(unavailable(
-            "libcuda.so.1 could not be loaded (no NVIDIA driver on this machine, or not on the \
-             library path)",
-        ));
-    }
-    let missing = std::panic::catch_unwind(|| {
-        // SAFETY: culib() loads the library found present above; get() only resolves names.
-        let lib = unsafe { sys::culib() };
-        REQUIRED_SYMBOLS
-            .iter()
-            .filter(|name| {
-                // SAFETY: resolving a symbol has no side effect; the pointer is never called.
-                unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err()
-            })
-            .copied()
-            .collect::<Vec<_>>()
-    })
-    .map_err(|_| unavailable("loading libcuda panicked"))?;
-    if !missing.is_empty() {
-        return Err(unavailable(format!(
-            "libcuda lacks {} (driver too old for this build?)",
-            missing.join(", ")
-        )));
-    }
-    std::panic::catch_unwind(init).unwrap_or_else(|_| Err(unavailable("cuInit panicked")))
+    cuda_driver::init(REQUIRED_SYMBOLS, "driver too old for this build?")?;
+    std::panic::catch_unwind(init)
+        .unwrap_or_else(|_| Err(unavailable("initialising the CUDA driver panicked")))
 }
 
+/// Reads the driver version and the device list; the driver is initialised already.
 fn init() -> Result<Driver, CudaError> {
-    // SAFETY: every symbol was resolved above; cuInit(0) is the documented first call.
-    check(unsafe { sys::cuInit(0) }, "cuInit").map_err(unavailable)?;
     let mut version = 0;
     check(
         // SAFETY: out-pointer to a live local.

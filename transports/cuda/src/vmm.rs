@@ -32,6 +32,7 @@ use std::time::Duration;
 use async_trait::async_trait;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
+use pegaflow_api::cuda_driver;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
     ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier, PayloadScheme,
@@ -73,19 +74,7 @@ fn vmm_driver() -> Result<&'static Driver, CudaError> {
     let d = driver()?;
     VMM_READY
         .get_or_init(|| {
-            let missing = std::panic::catch_unwind(|| {
-                // SAFETY: driver() loaded this library already; get() only resolves names.
-                let lib = unsafe { sys::culib() };
-                VMM_SYMBOLS
-                    .iter()
-                    .filter(|name| {
-                        // SAFETY: resolving a symbol has no side effect; it is never called here.
-                        unsafe { lib.get::<*const c_void>(name.as_bytes()) }.is_err()
-                    })
-                    .copied()
-                    .collect::<Vec<_>>()
-            })
-            .map_err(|_| CudaError("resolving the CUDA VMM symbols panicked".into()))?;
+            let missing = cuda_driver::missing_symbols(VMM_SYMBOLS)?;
             if missing.is_empty() {
                 Ok(())
             } else {
