@@ -1007,6 +1007,28 @@ mod tests {
     }
 
     #[test]
+    fn flag_values_parse_into_settings() {
+        use toml::Value;
+        assert_eq!(
+            FlagValue::Size.parse("64mb"),
+            Ok(Value::String("64mb".into()))
+        );
+        assert_eq!(FlagValue::Size.parse("1000"), Ok(Value::Integer(1000)));
+        assert!(FlagValue::Size.parse("big").is_err());
+        assert_eq!(
+            FlagValue::Integer { min: 2 }.parse("2"),
+            Ok(Value::Integer(2))
+        );
+        assert!(FlagValue::Integer { min: 2 }.parse("1").is_err());
+        assert_eq!(FlagValue::Bool.parse("false"), Ok(Value::Boolean(false)));
+        assert!(FlagValue::Bool.parse("yes").is_err());
+        assert_eq!(
+            FlagValue::Text.parse("a b"),
+            Ok(Value::String("a b".into()))
+        );
+    }
+
+    #[test]
     fn a_pipeline_without_tiers_gets_the_default_landing_tier() {
         let p = PipelineConfig::from_toml("[server]\naddr = \"127.0.0.1:1\"\n").unwrap();
         assert_eq!(p.tiers.len(), 1);
