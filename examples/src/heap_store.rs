@@ -15,19 +15,18 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use pegaflow_runtime::block::{BlockKey, BlockShape};
-use pegaflow_runtime::config::parse_size;
 use pegaflow_runtime::{
-    BuiltTier, PluginOption, Recovered, RuntimeContext, Tier, TierCapabilities, TierError,
-    TierFactory, TierGet, TierPut,
+    defaults_of, parse_settings, BuiltTier, ConfigSchema, PluginOption, Recovered, RuntimeContext,
+    Tier, TierCapabilities, TierError, TierFactory, TierGet, TierPut,
 };
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 /// The `[[tier]] kind = "heap-store"` table.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct HeapStoreConfig {
     /// Bytes the store may hold: a size string (`"8gb"`) or a byte count. Default `"1gb"`.
-    #[serde(default = "default_capacity", deserialize_with = "size")]
+    #[serde(default = "default_capacity", with = "pegaflow_runtime::config::size")]
     pub capacity: u64,
     /// Whether a put that needs room evicts the oldest blocks (true, the default) or fails
     /// with [`TierError::Full`].
@@ -47,19 +46,6 @@ fn default_capacity() -> u64 {
 
 fn default_true() -> bool {
     true
-}
-
-fn size<'de, D: serde::Deserializer<'de>>(d: D) -> Result<u64, D::Error> {
-    #[derive(Deserialize)]
-    #[serde(untagged)]
-    enum Size {
-        Bytes(u64),
-        Text(String),
-    }
-    match Size::deserialize(d)? {
-        Size::Bytes(b) => Ok(b),
-        Size::Text(t) => parse_size(&t).map_err(serde::de::Error::custom),
-    }
 }
 
 impl Default for HeapStoreConfig {
@@ -273,9 +259,7 @@ impl Tier for HeapStore {
 }
 
 fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<BuiltTier> {
-    let config: HeapStoreConfig = toml::Value::Table(table.clone())
-        .try_into()
-        .map_err(|e| anyhow::anyhow!("heap-store tier: {e}"))?;
+    let config: HeapStoreConfig = parse_settings("heap-store tier", table)?;
     if config.capacity == 0 {
         anyhow::bail!("heap-store tier: capacity must be > 0");
     }
@@ -286,12 +270,17 @@ inventory::submit! {
     TierFactory {
         kind: "heap-store",
         summary: "key-addressed tier below DRAM in this process's heap, oldest evicted first (a third-party example)",
-        options: &[
-            PluginOption { name: "capacity", default: "\"1gb\"", help: "bytes the store may hold (size string or bytes)" },
-            PluginOption { name: "evict", default: "true", help: "evict the oldest blocks when a put needs room (false: the put fails as full)" },
-            PluginOption { name: "read_bytes_per_sec", default: "0", help: "declared read bandwidth (0 = unknown)" },
-            PluginOption { name: "write_bytes_per_sec", default: "0", help: "declared write bandwidth (0 = unknown)" },
-        ],
+        config: ConfigSchema {
+            defaults: defaults_of::<HeapStoreConfig>,
+            options: &[
+                PluginOption { name: "capacity", help: "bytes the store may hold (size string or bytes)" },
+                PluginOption { name: "evict", help: "evict the oldest blocks when a put needs room (false: the put fails as full)" },
+                PluginOption { name: "read_bytes_per_sec", help: "declared read bandwidth (0 = unknown)" },
+                PluginOption { name: "write_bytes_per_sec", help: "declared write bandwidth (0 = unknown)" },
+            ],
+        },
+        flags: &[],
+        default_landing: false,
         build,
     }
 }

@@ -16,9 +16,15 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    CopyBatch, Direction, HostRegion, MemorySpace, PluginOption, RuntimeContext, Transport,
-    TransportError, TransportFactory,
+    parse_settings, ConfigSchema, CopyBatch, Direction, HostRegion, MemorySpace, RuntimeContext,
+    Transport, TransportError, TransportFactory,
 };
+use serde::Deserialize;
+
+/// The `memcpy-verify` transport's settings: none (an empty table is the only valid one).
+#[derive(Debug, Clone, Default, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct VerifyingMemcpyConfig {}
 
 /// The verifying host transport.
 #[derive(Debug, Default)]
@@ -74,9 +80,7 @@ impl Transport for VerifyingMemcpy {
 }
 
 fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Transport>> {
-    if let Some(k) = table.keys().next() {
-        anyhow::bail!("memcpy-verify takes no settings, got {k:?}");
-    }
+    let _: VerifyingMemcpyConfig = parse_settings("memcpy-verify transport", table)?;
     Ok(Arc::new(VerifyingMemcpy))
 }
 
@@ -84,7 +88,8 @@ inventory::submit! {
     TransportFactory {
         kind: "memcpy-verify",
         summary: "host copies that read the destination back and compare (a third-party example)",
-        options: &[] as &[PluginOption],
+        config: ConfigSchema::NONE,
+        flags: &[],
         build,
     }
 }

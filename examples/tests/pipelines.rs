@@ -23,6 +23,9 @@ fn shipped_pipelines_parse() {
         let p = load(f);
         assert_eq!(p.tiers[0].kind, "dram", "{f}");
     }
+    // The embedded default names no tier: it gets the declared default landing tier with
+    // that tier's defaults, which default.toml writes out.
+    assert!(!pegaflow_runtime::config::DEFAULT_PIPELINE.contains("[[tier]]"));
     let d = load("default.toml");
     let e = PipelineConfig::embedded_default();
     assert_eq!(
@@ -30,6 +33,68 @@ fn shipped_pipelines_parse() {
         e.to_toml(),
         "default.toml is the embedded default"
     );
+    assert_eq!(
+        pegaflow_runtime::plugin::default_landing_tier()
+            .unwrap()
+            .kind,
+        "dram"
+    );
+}
+
+#[test]
+fn every_linked_factory_documents_its_settings() {
+    // Tiers (dram, heap-store), transports (memcpy, memcpy-verify), registrars (host-memfd)
+    // and the runtime's layers: every default has help, every help and flag names a setting.
+    let problems = pegaflow_runtime::plugin::doc_problems();
+    assert!(problems.is_empty(), "{problems:#?}");
+    let listing = pegaflow_runtime::plugin::describe_plugins();
+    let dram = pegaflow_tier_dram::DramSettings::default();
+    assert_eq!(dram.capacity, pegaflow_tier_dram::DEFAULT_CAPACITY);
+    assert!(
+        listing.contains("capacity = \"30gb\"    pool size"),
+        "the dram default capacity renders from DramSettings::default(): {listing}"
+    );
+    assert!(
+        listing.contains("--pool-size <SIZE> sets capacity"),
+        "{listing}"
+    );
+    assert!(listing.contains("window_keys = 1048576"), "{listing}");
+    assert!(listing.contains("evict = true"), "{listing}");
+}
+
+/// What `--print-config --pool-size 1gb` must print: default.toml with a 1 GiB tier.
+fn expected_print_config() -> String {
+    let mut p = load("default.toml");
+    p.tiers[0]
+        .settings
+        .insert("capacity".into(), toml::Value::String("1gb".into()));
+    p.to_toml()
+}
+
+#[test]
+fn the_third_party_binary_has_the_runtime_cli() {
+    let bin = env!("CARGO_BIN_EXE_pegaflow-server-verify");
+    let run = |args: &[&str]| {
+        let out = std::process::Command::new(bin).args(args).output().unwrap();
+        assert!(out.status.success(), "{args:?}: {out:?}");
+        String::from_utf8(out.stdout).unwrap()
+    };
+    assert_eq!(
+        run(&["--print-config", "--pool-size", "1gb"]),
+        expected_print_config()
+    );
+    let help = run(&["--help"]);
+    assert!(
+        help.contains("--pool-size <SIZE>") && help.contains("Host-DRAM tier capacity"),
+        "{help}"
+    );
+    assert!(help.contains("--pool-shards <N>"), "{help}");
+    let out = std::process::Command::new(bin)
+        .args(["--ssd-cache-path", "/x"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2));
+    assert!(String::from_utf8_lossy(&out.stderr).contains("--ssd-cache-path needs"));
 }
 
 #[test]

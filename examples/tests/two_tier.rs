@@ -15,7 +15,7 @@ use pegaflow_examples::heap_store::{HeapStore, HeapStoreConfig};
 use pegaflow_runtime::block::{BlockKey, BlockShape};
 use pegaflow_runtime::config::PipelineConfig;
 use pegaflow_runtime::{
-    BuiltTier, PluginOption, Recovered, RuntimeContext, Tier, TierCapabilities, TierError,
+    BuiltTier, ConfigSchema, Recovered, RuntimeContext, Tier, TierCapabilities, TierError,
     TierFactory, TierGet, TierPut,
 };
 use pegaflow_tests::harness::*;
@@ -295,7 +295,9 @@ inventory::submit! {
     TierFactory {
         kind: "test-shared-store",
         summary: "test only: a tier over one shared heap store",
-        options: &[] as &[PluginOption],
+        config: ConfigSchema::NONE,
+        flags: &[],
+        default_landing: false,
         build: build_test_tier,
     }
 }

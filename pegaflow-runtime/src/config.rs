@@ -9,8 +9,15 @@ use anyhow::{bail, Context};
 use clap::Parser;
 use serde::{Deserialize, Serialize};
 
-/// The pipeline the server runs when no `--config` is given. Registrars and transports are
-/// omitted, which means "every kind linked into this binary, with default settings".
+use crate::plugin::{
+    declared_flags, DeclaredFlag, FlagValue, RegistrarFactory, Section, TransportFactory,
+};
+
+/// The pipeline the server runs when no `--config` is given. Tiers, registrars and
+/// transports are omitted: the tier is the linked default landing tier with its default
+/// settings ([`crate::plugin::TierFactory::default_landing`], filled in by
+/// [`PipelineConfig::from_toml`]), the registrars and transports are every kind linked into
+/// this binary, with default settings.
 pub const DEFAULT_PIPELINE: &str = r#"
 [server]
 addr = "127.0.0.1:50055"
@@ -20,10 +27,6 @@ enable_prometheus = true
 
 [engine]
 lease_ttl_secs = 600
-
-[[tier]]
-kind = "dram"
-capacity = "30gb"
 "#;
 
 /// Parses a byte size: a plain integer (bytes), or a number with a unit. `kb`/`mb`/`gb`/`tb`
@@ -56,13 +59,80 @@ pub fn parse_size(s: &str) -> anyhow::Result<u64> {
     Ok(bytes as u64)
 }
 
-/// Reads a size setting from a plugin table: a string with units or an integer of bytes.
-pub fn size_setting(table: &toml::Table, key: &str) -> anyhow::Result<Option<u64>> {
-    match table.get(key) {
-        None => Ok(None),
-        Some(toml::Value::String(s)) => parse_size(s).map(Some),
-        Some(toml::Value::Integer(i)) if *i >= 0 => Ok(Some(*i as u64)),
-        Some(v) => bail!("{key} must be a size like \"30gb\" or a byte count, got {v}"),
+/// Serde helpers for size settings of a backend's config struct:
+/// `#[serde(with = "pegaflow_runtime::config::size")]` on a `u64` or `usize` field accepts a
+/// size string (`"30gb"`, as [`parse_size`] reads it) or a byte count, and writes a whole
+/// number of kb, mb, gb or tb as such a string (`"30gb"`), any other size as bytes.
+pub mod size {
+    use serde::de::{self, Visitor};
+    use serde::{Deserializer, Serializer};
+
+    const UNITS: [(u64, &str); 4] = [
+        (1 << 40, "tb"),
+        (1 << 30, "gb"),
+        (1 << 20, "mb"),
+        (1 << 10, "kb"),
+    ];
+
+    /// `bytes` as its shortest exact unit string (`"30gb"`), or `None` when no unit divides it.
+    fn with_unit(bytes: u64) -> Option<String> {
+        UNITS
+            .iter()
+            .find(|(u, _)| bytes > 0 && bytes.is_multiple_of(*u))
+            .map(|(u, name)| format!("{}{name}", bytes / u))
+    }
+
+    /// `bytes` as a pipeline value: a unit string when a unit divides it, else an integer
+    /// (a string of digits beyond `i64::MAX`).
+    pub fn to_value(bytes: u64) -> toml::Value {
+        match (with_unit(bytes), i64::try_from(bytes)) {
+            (Some(s), _) => toml::Value::String(s),
+            (None, Ok(i)) => toml::Value::Integer(i),
+            (None, Err(_)) => toml::Value::String(bytes.to_string()),
+        }
+    }
+
+    /// Writes a size as [`to_value`] does.
+    ///
+    /// # Errors
+    /// The serializer's own errors, or a value that does not fit `u64`.
+    pub fn serialize<S: Serializer, T: Copy + TryInto<u64>>(
+        v: &T,
+        s: S,
+    ) -> Result<S::Ok, S::Error> {
+        let bytes: u64 = (*v)
+            .try_into()
+            .map_err(|_| serde::ser::Error::custom("size does not fit 64 bits"))?;
+        match to_value(bytes) {
+            toml::Value::Integer(i) => s.serialize_i64(i),
+            other => s.serialize_str(other.as_str().unwrap_or_default()),
+        }
+    }
+
+    /// Reads a size string or a byte count.
+    ///
+    /// # Errors
+    /// Another type, a negative count, a string [`super::parse_size`] refuses, or a size
+    /// that does not fit `T`.
+    pub fn deserialize<'de, D: Deserializer<'de>, T: TryFrom<u64>>(d: D) -> Result<T, D::Error> {
+        struct Size;
+        impl Visitor<'_> for Size {
+            type Value = u64;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a size like \"30gb\" or a byte count")
+            }
+            fn visit_i64<E: de::Error>(self, v: i64) -> Result<u64, E> {
+                u64::try_from(v).map_err(|_| E::custom(format!("invalid size {v}: negative")))
+            }
+            fn visit_u64<E: de::Error>(self, v: u64) -> Result<u64, E> {
+                Ok(v)
+            }
+            fn visit_str<E: de::Error>(self, v: &str) -> Result<u64, E> {
+                super::parse_size(v).map_err(E::custom)
+            }
+        }
+        let bytes = d.deserialize_any(Size)?;
+        T::try_from(bytes).map_err(|_| de::Error::custom(format!("size {bytes} is too large")))
     }
 }
 
@@ -212,9 +282,23 @@ pub struct PipelineConfig {
 }
 
 impl PipelineConfig {
-    /// Parses a pipeline from TOML text.
+    /// Parses a pipeline from TOML text. Without a `[[tier]]`, the pipeline gets the linked
+    /// default landing tier with its default settings (when exactly one linked tier declares
+    /// itself so; otherwise the tiers stay empty and building the pipeline says why).
+    ///
+    /// # Errors
+    /// Invalid TOML or an unknown key (outside the backends' own tables).
     pub fn from_toml(text: &str) -> anyhow::Result<Self> {
-        let c: Self = toml::from_str(text).context("invalid pipeline TOML")?;
+        let mut c: Self = toml::from_str(text).context("invalid pipeline TOML")?;
+        if c.tiers.is_empty() {
+            if let Ok(f) = crate::plugin::default_landing_tier() {
+                c.tiers.push(PluginConfig {
+                    kind: f.kind.into(),
+                    layers: Vec::new(),
+                    settings: (f.config.defaults)(),
+                });
+            }
+        }
         Ok(c)
     }
 
@@ -251,8 +335,9 @@ fn parse_size_arg(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
 }
 
-/// `pegaflow-server`'s command line. Flags keep `pegaflow-server`'s names and defaults; a flag
-/// given on the command line overrides the pipeline file.
+/// The runtime's own flags of `pegaflow-server`'s command line (without those the linked
+/// factories declare; [`Cli`] adds them). Flags keep `pegaflow-server`'s names and defaults; a
+/// flag given on the command line overrides the pipeline file.
 #[derive(Debug, Clone, Parser)]
 #[command(
     name = "pegaflow-server",
@@ -262,10 +347,11 @@ fn parse_size_arg(s: &str) -> Result<u64, String> {
         Inference engines register their KV memory, save blocks keyed by content hash, ask which \
         prefix of a request is cached and load those blocks back. Speaks PegaFlow's Engine gRPC \
         protocol, so the published vLLM connector (pegaflow-llm) works unchanged.\n\n\
-        With no --config the embedded default pipeline runs: a host-DRAM tier of --pool-size and \
+        With no --config the embedded default pipeline runs: the default landing tier of this \
+        binary with its defaults (a host-DRAM pool of --pool-size in pegaflow-server) and \
         every registrar and transport linked into this binary (see --list-plugins)."
 )]
-pub struct Cli {
+pub struct Flags {
     /// Pipeline file (TOML). Flags given on the command line override its settings.
     #[arg(long, value_name = "FILE")]
     pub config: Option<PathBuf>,
@@ -282,9 +368,6 @@ pub struct Cli {
     /// CUDA devices to serve, comma-separated ordinals. [default: all the driver reports]
     #[arg(long, value_name = "LIST")]
     pub devices: Option<String>,
-    /// Host-DRAM tier capacity; units kb, mb, gb, tb (binary). [default: 30gb]
-    #[arg(long, value_name = "SIZE", value_parser = parse_size_arg)]
-    pub pool_size: Option<u64>,
     /// Typical block size hint for the allocator, in bytes (must be > 0).
     #[arg(long, value_name = "BYTES", value_parser = parse_size_arg)]
     pub hint_value_size: Option<u64>,
@@ -341,9 +424,6 @@ pub struct Cli {
     /// Trace sampling rate, 0..=1. [default: 1.0]
     #[arg(long, value_name = "RATE")]
     pub trace_sample_rate: Option<f64>,
-    /// Sub-pools of the DRAM tier, used round-robin. [default: 1]
-    #[arg(long, value_name = "N")]
-    pub pool_shards: Option<usize>,
     /// One host allocation per block instead of one per batch.
     #[arg(long)]
     pub blockwise_alloc: bool,
@@ -377,10 +457,143 @@ pub struct Cli {
     pub python_registry: Option<bool>,
 }
 
+/// A factory-declared flag given on the command line, with its parsed value.
+#[derive(Debug, Clone)]
+pub struct GivenFlag {
+    /// The flag and the factory that declared it.
+    pub declared: DeclaredFlag,
+    /// The value, as the flag's [`crate::plugin::FlagValue`] parsed it.
+    pub value: toml::Value,
+}
+
+/// `pegaflow-server`'s whole command line: the runtime's [`Flags`] plus the flags every
+/// linked factory declares ([`crate::plugin::FactoryFlag`]), so `--help` lists both and
+/// `Cli::parse()` reads both.
+///
+/// # Panics
+/// Building the command ([`clap::CommandFactory::command`], which every parse does) panics
+/// when a declared flag's name is taken (by a runtime flag or an earlier declaration): two
+/// linked crates disagree about a flag, a bug of the binary's composition.
+#[derive(Debug, Clone)]
+pub struct Cli {
+    /// The runtime's own flags.
+    pub flags: Flags,
+    /// The factory-declared flags that were given, in declaration order.
+    pub factory_flags: Vec<GivenFlag>,
+}
+
+fn with_factory_flags(mut cmd: clap::Command) -> clap::Command {
+    for d in declared_flags() {
+        let f = d.flag;
+        if let Some(taken) = cmd.get_arguments().find(|a| a.get_long() == Some(f.long)) {
+            panic!(
+                "--{} declared by {} {:?} is already a flag of this binary ({})",
+                f.long,
+                d.section.noun(),
+                d.kind,
+                taken.get_id()
+            );
+        }
+        let value = f.value;
+        let mut arg = clap::Arg::new(f.long)
+            .long(f.long)
+            .help(f.help)
+            .value_name(f.value_name)
+            .value_parser(move |text: &str| value.parse(text));
+        if value == FlagValue::Bool {
+            arg = arg.num_args(0..=1).default_missing_value("true");
+        }
+        cmd = cmd.arg(arg);
+    }
+    cmd
+}
+
+fn given_factory_flags(m: &clap::ArgMatches) -> Vec<GivenFlag> {
+    declared_flags()
+        .into_iter()
+        .filter_map(|declared| {
+            let value = m.try_get_one::<toml::Value>(declared.flag.long).ok()??;
+            Some(GivenFlag {
+                declared,
+                value: value.clone(),
+            })
+        })
+        .collect()
+}
+
+impl clap::CommandFactory for Cli {
+    fn command() -> clap::Command {
+        with_factory_flags(Flags::command())
+    }
+    fn command_for_update() -> clap::Command {
+        with_factory_flags(Flags::command_for_update())
+    }
+}
+
+impl clap::FromArgMatches for Cli {
+    fn from_arg_matches(m: &clap::ArgMatches) -> Result<Self, clap::Error> {
+        Ok(Self {
+            flags: Flags::from_arg_matches(m)?,
+            factory_flags: given_factory_flags(m),
+        })
+    }
+    fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
+        self.flags.update_from_arg_matches(m)?;
+        self.factory_flags.extend(given_factory_flags(m));
+        Ok(())
+    }
+}
+
+impl Parser for Cli {}
+
+/// The entries a flag of `d`'s factory applies to: the first `[[tier]]` of its kind, or every
+/// `[[transport]]` / `[[registrar]]` entry of its kind (an absent list, meaning every linked
+/// kind, is written out first).
+fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut PluginConfig> {
+    fn all(
+        list: &mut Option<Vec<PluginConfig>>,
+        linked: impl Iterator<Item = &'static str>,
+    ) -> &mut Vec<PluginConfig> {
+        list.get_or_insert_with(|| {
+            linked
+                .map(|kind| PluginConfig {
+                    kind: kind.into(),
+                    layers: Vec::new(),
+                    settings: toml::Table::new(),
+                })
+                .collect()
+        })
+    }
+    let kind = d.kind;
+    match d.section {
+        Section::Tier => p
+            .tiers
+            .iter_mut()
+            .filter(|t| t.kind == kind)
+            .take(1)
+            .collect(),
+        Section::Transport => all(
+            &mut p.transports,
+            inventory::iter::<TransportFactory>().map(|f| f.kind),
+        )
+        .iter_mut()
+        .filter(|t| t.kind == kind)
+        .collect(),
+        Section::Registrar => all(
+            &mut p.registrars,
+            inventory::iter::<RegistrarFactory>().map(|f| f.kind),
+        )
+        .iter_mut()
+        .filter(|t| t.kind == kind)
+        .collect(),
+    }
+}
+
 impl Cli {
     /// Loads the pipeline (file or embedded default) and applies the flags on top.
     pub fn pipeline(&self) -> anyhow::Result<PipelineConfig> {
-        let mut p = match &self.config {
+        let a = &self.flags;
+        let mut p = match &a.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
                     .with_context(|| format!("cannot read pipeline file {}", path.display()))?;
@@ -389,20 +602,20 @@ impl Cli {
             }
             None => PipelineConfig::embedded_default(),
         };
-        self.check_unsupported()?;
-        if let Some(a) = &self.addr {
-            p.server.addr = a.clone();
+        a.check_unsupported()?;
+        if let Some(v) = &a.addr {
+            p.server.addr = v.clone();
         }
-        if let Some(a) = &self.http_addr {
-            p.server.http_addr = a.clone();
+        if let Some(v) = &a.http_addr {
+            p.server.http_addr = v.clone();
         }
-        if let Some(l) = &self.log_level {
+        if let Some(l) = &a.log_level {
             p.server.log_level = l.clone();
         }
-        if let Some(e) = self.enable_prometheus {
+        if let Some(e) = a.enable_prometheus {
             p.server.enable_prometheus = e;
         }
-        if let Some(d) = &self.devices {
+        if let Some(d) = &a.devices {
             let list = d
                 .split(',')
                 .map(|x| x.trim())
@@ -419,43 +632,40 @@ impl Cli {
             }
             p.server.devices = Some(list);
         }
-        if let Some(path) = &self.fd_socket_path {
+        if let Some(path) = &a.fd_socket_path {
             if path.as_os_str().is_empty() {
                 p.fd_channel = None;
             } else {
                 p.fd_channel = Some(FdChannelConfig { path: path.clone() });
             }
         }
-        if let Some(size) = self.pool_size {
-            let t = p
-                .tiers
-                .iter_mut()
-                .find(|t| t.kind == "dram")
-                .context("--pool-size given but the pipeline has no dram tier")?;
-            t.settings
-                .insert("capacity".into(), toml::Value::Integer(size as i64));
+        for g in &self.factory_flags {
+            let d = &g.declared;
+            let targets = flag_targets(&mut p, d);
+            if targets.is_empty() {
+                bail!(
+                    "--{} given but the pipeline has no {} {}",
+                    d.flag.long,
+                    d.kind,
+                    d.section.noun()
+                );
+            }
+            for t in targets {
+                t.settings.insert(d.flag.setting.into(), g.value.clone());
+            }
         }
-        if let Some(h) = self.hint_value_size {
+        if let Some(h) = a.hint_value_size {
             if h == 0 {
                 bail!("--hint-value-size must be > 0");
             }
         }
-        if let Some(n) = self.pool_shards {
-            if n == 0 {
-                bail!("--pool-shards must be >= 1");
-            }
-            for t in p.tiers.iter_mut().filter(|t| t.kind == "dram") {
-                t.settings
-                    .insert("shards".into(), toml::Value::Integer(n as i64));
-            }
-        }
-        if let Some(b) = self.python_registry {
+        if let Some(b) = a.python_registry {
             p.server.python_registry = b;
         }
-        if self.enable_lfu_admission {
+        if a.enable_lfu_admission {
             if p.tiers.len() < 2 {
                 bail!(
-                    "--enable-lfu-admission filters writes to tiers below DRAM, and this pipeline has none: add a [[tier]] below the dram tier"
+                    "--enable-lfu-admission filters writes to tiers below DRAM, and this pipeline has none: add a [[tier]] below the landing tier"
                 );
             }
             for t in p.tiers.iter_mut().skip(1) {
@@ -475,123 +685,201 @@ impl Cli {
     /// What start-up should log about accepted flags that change nothing in this build (they
     /// ask for what it already does, or turn off what it does not do).
     pub fn notes(&self) -> Vec<String> {
+        let a = &self.flags;
         let mut v = Vec::new();
-        if self.disable_numa_affinity {
+        if a.disable_numa_affinity {
             v.push("--disable-numa-affinity: this build places no memory by NUMA node; nothing to disable".into());
         }
-        if self.blockwise_alloc {
+        if a.blockwise_alloc {
             v.push(
                 "--blockwise-alloc: host memory is already allocated (and freed) per block".into(),
             );
         }
-        if let Some(h) = self.hint_value_size {
+        if let Some(h) = a.hint_value_size {
             v.push(format!("--hint-value-size {h}: the DRAM allocator uses 512-byte granules whatever the value size; the hint does not change it"));
         }
         v
     }
+}
 
-    /// Flags for parts this build does not have: start-up fails naming the missing part,
-    /// rather than ignoring them.
+impl Flags {
+    /// Flags for parts this build does not have: start-up fails naming the flag and what it
+    /// needs, rather than ignoring them.
     fn check_unsupported(&self) -> anyhow::Result<()> {
-        let missing = |flag: &str, part: &str| -> anyhow::Result<()> {
-            bail!("{flag} needs {part}, which this build of pegaflow-server does not include")
-        };
-        if !self.ssd_cache_path.is_empty() {
-            missing("--ssd-cache-path", "the SSD tier (tiers/ssd)")?;
-        }
-        if !self.nics.is_empty() {
-            missing("--nics", "the RDMA transport (transports/rdma)")?;
-        }
-        if self.metaserver_addr.is_some() {
-            missing(
+        // A backend brings a flag by declaring it (`FactoryFlag`); these are PegaFlow's flags
+        // of backends no in-tree crate provides yet.
+        const LOWER_TIER: &str = "a tier below the landing tier that declares this flag";
+        const TRANSPORT: &str = "a cross-node transport that declares this flag";
+        const METASERVER: &str = "the MetaServer client (cross-node directory)";
+        const OTLP: &str = "an OTLP exporter (scrape /metrics instead)";
+        let unsupported = [
+            (
+                !self.ssd_cache_path.is_empty(),
+                "--ssd-cache-path",
+                LOWER_TIER,
+            ),
+            (
+                self.ssd_cache_capacity.is_some(),
+                "--ssd-cache-capacity",
+                LOWER_TIER,
+            ),
+            (
+                self.ssd_cache_shards.is_some(),
+                "--ssd-cache-shards",
+                LOWER_TIER,
+            ),
+            (
+                self.ssd_write_queue_depth.is_some(),
+                "--ssd-write-queue-depth",
+                LOWER_TIER,
+            ),
+            (
+                self.ssd_prefetch_queue_depth.is_some(),
+                "--ssd-prefetch-queue-depth",
+                LOWER_TIER,
+            ),
+            (
+                self.ssd_write_inflight.is_some(),
+                "--ssd-write-inflight",
+                LOWER_TIER,
+            ),
+            (
+                self.ssd_prefetch_inflight.is_some(),
+                "--ssd-prefetch-inflight",
+                LOWER_TIER,
+            ),
+            (
+                self.max_prefetch_blocks.is_some(),
+                "--max-prefetch-blocks",
+                "a lower tier to prefetch from that declares this flag",
+            ),
+            (!self.nics.is_empty(), "--nics", TRANSPORT),
+            (self.qps_per_peer.is_some(), "--qps-per-peer", TRANSPORT),
+            (
+                self.transfer_lock_timeout_secs.is_some(),
+                "--transfer-lock-timeout-secs",
+                TRANSPORT,
+            ),
+            (
+                self.use_hugepages,
+                "--use-hugepages",
+                "a landing tier that declares this flag",
+            ),
+            (
+                self.metaserver_addr.is_some(),
                 "--metaserver-addr",
-                "the MetaServer client (cross-node directory)",
-            )?;
-        }
-        if self.use_hugepages {
-            missing("--use-hugepages", "huge-page backing of the DRAM tier")?;
-        }
-        if self.metrics_otel_endpoint.is_some() {
-            missing(
+                METASERVER,
+            ),
+            (
+                self.metaserver_queue_depth.is_some(),
+                "--metaserver-queue-depth",
+                METASERVER,
+            ),
+            (
+                self.metrics_otel_endpoint.is_some(),
                 "--metrics-otel-endpoint",
-                "an OTLP exporter (scrape /metrics instead)",
-            )?;
-        }
-        let given = |v: bool, flag: &str, part: &str| -> anyhow::Result<()> {
-            if v {
-                missing(flag, part)?;
+                OTLP,
+            ),
+            (
+                self.metrics_period_secs.is_some(),
+                "--metrics-period-secs",
+                OTLP,
+            ),
+            (
+                self.metric_hll_windows.is_some() || self.metric_hll_bucket_bits.is_some(),
+                "--metric-hll-windows/--metric-hll-bucket-bits",
+                "the HyperLogLog miss-cardinality metrics",
+            ),
+            (
+                self.trace_sample_rate.is_some(),
+                "--trace-sample-rate",
+                "span tracing (fastrace)",
+            ),
+        ];
+        match unsupported.iter().find(|(given, _, _)| *given) {
+            Some((_, flag, part)) => {
+                bail!("{flag} needs {part}; none is linked into this build of pegaflow-server")
             }
-            Ok(())
-        };
-        let ssd = "the SSD tier (tiers/ssd)";
-        given(
-            self.ssd_cache_capacity.is_some(),
-            "--ssd-cache-capacity",
-            ssd,
-        )?;
-        given(self.ssd_cache_shards.is_some(), "--ssd-cache-shards", ssd)?;
-        given(
-            self.ssd_write_queue_depth.is_some(),
-            "--ssd-write-queue-depth",
-            ssd,
-        )?;
-        given(
-            self.ssd_prefetch_queue_depth.is_some(),
-            "--ssd-prefetch-queue-depth",
-            ssd,
-        )?;
-        given(
-            self.ssd_write_inflight.is_some(),
-            "--ssd-write-inflight",
-            ssd,
-        )?;
-        given(
-            self.ssd_prefetch_inflight.is_some(),
-            "--ssd-prefetch-inflight",
-            ssd,
-        )?;
-        given(
-            self.max_prefetch_blocks.is_some(),
-            "--max-prefetch-blocks",
-            "a lower tier to prefetch from (SSD or RDMA)",
-        )?;
-        given(
-            self.qps_per_peer.is_some(),
-            "--qps-per-peer",
-            "the RDMA transport (transports/rdma)",
-        )?;
-        given(
-            self.metaserver_queue_depth.is_some(),
-            "--metaserver-queue-depth",
-            "the MetaServer client (cross-node directory)",
-        )?;
-        given(
-            self.transfer_lock_timeout_secs.is_some(),
-            "--transfer-lock-timeout-secs",
-            "cross-node transfer (transports/rdma)",
-        )?;
-        given(
-            self.metrics_period_secs.is_some(),
-            "--metrics-period-secs",
-            "an OTLP exporter (scrape /metrics instead)",
-        )?;
-        given(
-            self.metric_hll_windows.is_some() || self.metric_hll_bucket_bits.is_some(),
-            "--metric-hll-windows/--metric-hll-bucket-bits",
-            "the HyperLogLog miss-cardinality metrics",
-        )?;
-        given(
-            self.trace_sample_rate.is_some(),
-            "--trace-sample-rate",
-            "span tracing (fastrace)",
-        )?;
-        Ok(())
+            None => Ok(()),
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::plugin::{
+        defaults_of, BuiltTier, ConfigSchema, FactoryFlag, PluginOption, RuntimeContext,
+        TierFactory,
+    };
+    use clap::CommandFactory;
+
+    /// The settings of the test landing tier below.
+    #[derive(Debug, Serialize, Deserialize)]
+    #[serde(deny_unknown_fields, default)]
+    struct TestPoolConfig {
+        #[serde(with = "size")]
+        capacity: u64,
+        shards: usize,
+    }
+
+    impl Default for TestPoolConfig {
+        fn default() -> Self {
+            Self {
+                capacity: 3 << 30,
+                shards: 1,
+            }
+        }
+    }
+
+    fn never_built(_: &toml::Table, _: &RuntimeContext) -> anyhow::Result<BuiltTier> {
+        bail!("the config tests build no tier")
+    }
+
+    // A landing tier declaring the flags the DRAM tier declares in pegaflow-server.
+    inventory::submit! {
+        TierFactory {
+            kind: "test-pool",
+            summary: "config tests: a landing tier that is never built",
+            config: ConfigSchema {
+                defaults: defaults_of::<TestPoolConfig>,
+                options: &[
+                    PluginOption { name: "capacity", help: "bytes" },
+                    PluginOption { name: "shards", help: "sub-pools" },
+                ],
+            },
+            flags: &[
+                FactoryFlag {
+                    long: "pool-size",
+                    value_name: "SIZE",
+                    help: "Test pool capacity",
+                    setting: "capacity",
+                    value: FlagValue::Size,
+                },
+                FactoryFlag {
+                    long: "pool-shards",
+                    value_name: "N",
+                    help: "Test pool shards",
+                    setting: "shards",
+                    value: FlagValue::Integer { min: 1 },
+                },
+            ],
+            default_landing: true,
+            build: never_built,
+        }
+    }
+
+    fn capacity(p: &PipelineConfig) -> u64 {
+        #[derive(Deserialize)]
+        struct Capacity {
+            #[serde(with = "size")]
+            capacity: u64,
+        }
+        let c: Capacity = toml::Value::Table(p.tiers[0].settings.clone())
+            .try_into()
+            .unwrap();
+        c.capacity
+    }
 
     #[test]
     fn sizes() {
@@ -619,10 +907,7 @@ mod tests {
         let p = cli.pipeline().unwrap();
         assert_eq!(p.server.addr, "127.0.0.1:1");
         assert_eq!(p.server.http_addr, "0.0.0.0:9091");
-        assert_eq!(
-            size_setting(&p.tiers[0].settings, "capacity").unwrap(),
-            Some(1 << 30)
-        );
+        assert_eq!(capacity(&p), 1 << 30);
         assert_eq!(p.fd_channel.unwrap().path, PathBuf::from("/tmp/x.sock"));
         let p = Cli::parse_from(["pegaflow-server", "--devices", "0, 2"])
             .pipeline()
@@ -655,10 +940,7 @@ mod tests {
         let p = cli.pipeline().unwrap();
         assert_eq!(p.server.addr, "127.0.0.1:7");
         assert_eq!(p.server.log_level, "warn");
-        assert_eq!(
-            size_setting(&p.tiers[0].settings, "capacity").unwrap(),
-            Some(2 << 30)
-        );
+        assert_eq!(capacity(&p), 2 << 30);
     }
 
     #[test]
@@ -667,7 +949,12 @@ mod tests {
             .pipeline()
             .unwrap_err()
             .to_string();
-        assert!(e.contains("SSD tier"), "{e}");
+        assert!(
+            e.contains(
+                "--ssd-cache-path needs a tier below the landing tier that declares this flag"
+            ),
+            "{e}"
+        );
         let e = Cli::parse_from(["pegaflow-server", "--max-prefetch-blocks", "800"])
             .pipeline()
             .unwrap_err()
@@ -692,7 +979,113 @@ mod tests {
             .pipeline()
             .unwrap_err()
             .to_string();
-        assert!(e.contains("RDMA"), "{e}");
+        assert!(
+            e.contains("--nics needs") && e.contains("none is linked"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn size_settings_read_strings_and_bytes_and_write_units() {
+        assert_eq!(size::to_value(30 << 30), toml::Value::String("30gb".into()));
+        assert_eq!(
+            size::to_value(3 << 19),
+            toml::Value::String("1536kb".into())
+        );
+        assert_eq!(size::to_value(1000), toml::Value::Integer(1000));
+        assert_eq!(size::to_value(0), toml::Value::Integer(0));
+        let t = toml::Table::try_from(TestPoolConfig::default()).unwrap();
+        assert_eq!(t["capacity"], toml::Value::String("3gb".into()));
+        let parse = |text: &str| -> Result<TestPoolConfig, String> {
+            toml::from_str(text).map_err(|e| e.to_string())
+        };
+        assert_eq!(parse("capacity = 4096").unwrap().capacity, 4096);
+        assert_eq!(parse("capacity = \"1.5kb\"").unwrap().capacity, 1536);
+        let e = parse("capacity = -1").unwrap_err();
+        assert!(e.contains("negative"), "{e}");
+        let e = parse("capacity = \"lots\"").unwrap_err();
+        assert!(e.contains("invalid size"), "{e}");
+        let e = parse("capacity = true").unwrap_err();
+        assert!(e.contains("a size like"), "{e}");
+    }
+
+    #[test]
+    fn flag_values_parse_into_settings() {
+        use toml::Value;
+        assert_eq!(
+            FlagValue::Size.parse("64mb"),
+            Ok(Value::String("64mb".into()))
+        );
+        assert_eq!(FlagValue::Size.parse("1000"), Ok(Value::Integer(1000)));
+        assert!(FlagValue::Size.parse("big").is_err());
+        assert_eq!(
+            FlagValue::Integer { min: 2 }.parse("2"),
+            Ok(Value::Integer(2))
+        );
+        assert!(FlagValue::Integer { min: 2 }.parse("1").is_err());
+        assert_eq!(FlagValue::Bool.parse("false"), Ok(Value::Boolean(false)));
+        assert!(FlagValue::Bool.parse("yes").is_err());
+        assert_eq!(
+            FlagValue::Text.parse("a b"),
+            Ok(Value::String("a b".into()))
+        );
+    }
+
+    #[test]
+    fn a_pipeline_without_tiers_gets_the_default_landing_tier() {
+        let p = PipelineConfig::from_toml("[server]\naddr = \"127.0.0.1:1\"\n").unwrap();
+        assert_eq!(p.tiers.len(), 1);
+        assert_eq!(p.tiers[0].kind, "test-pool");
+        assert_eq!(p.tiers[0].settings, defaults_of::<TestPoolConfig>());
+        let p = PipelineConfig::from_toml("[[tier]]\nkind = \"other\"\n").unwrap();
+        assert_eq!(p.tiers.len(), 1, "named tiers are kept as they are");
+        assert_eq!(p.tiers[0].kind, "other");
+    }
+
+    #[test]
+    fn declared_flags_are_on_the_command_line_and_set_their_setting() {
+        let help = Cli::command().render_long_help().to_string();
+        assert!(
+            help.contains("--pool-size <SIZE>") && help.contains("Test pool capacity"),
+            "{help}"
+        );
+        assert!(help.contains("--pool-shards <N>"), "{help}");
+        let p = Cli::parse_from([
+            "pegaflow-server",
+            "--pool-shards",
+            "3",
+            "--pool-size",
+            "2gb",
+        ])
+        .pipeline()
+        .unwrap();
+        assert_eq!(p.tiers[0].settings["shards"], toml::Value::Integer(3));
+        assert!(
+            p.to_toml().contains("capacity = \"2gb\""),
+            "{}",
+            p.to_toml()
+        );
+        let e = Cli::try_parse_from(["pegaflow-server", "--pool-shards", "0"]).unwrap_err();
+        assert!(e.to_string().contains("must be an integer >= 1"), "{e}");
+        let e = Cli::try_parse_from(["pegaflow-server", "--pool-size", "lots"]).unwrap_err();
+        assert!(e.to_string().contains("invalid size"), "{e}");
+        let dir = tempfile::tempdir().unwrap();
+        let f = dir.path().join("p.toml");
+        std::fs::write(&f, "[[tier]]\nkind = \"other\"\n").unwrap();
+        let e = Cli::parse_from([
+            "pegaflow-server",
+            "--config",
+            f.to_str().unwrap(),
+            "--pool-size",
+            "1gb",
+        ])
+        .pipeline()
+        .unwrap_err()
+        .to_string();
+        assert_eq!(
+            e,
+            "--pool-size given but the pipeline has no test-pool tier"
+        );
     }
 
     #[test]

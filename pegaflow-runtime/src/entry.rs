@@ -34,7 +34,7 @@ pub fn main() -> ExitCode {
                 .map(|f| f.to_string_lossy().into_owned())
         })
         .unwrap_or_else(|| "pegaflow-server".into());
-    if cli.list_plugins {
+    if cli.flags.list_plugins {
         print!("{}", crate::plugin::describe_plugins());
         return ExitCode::SUCCESS;
     }
@@ -45,7 +45,7 @@ pub fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    if cli.print_config {
+    if cli.flags.print_config {
         print!("{}", pipeline.to_toml());
         return ExitCode::SUCCESS;
     }

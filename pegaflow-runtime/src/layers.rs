@@ -20,20 +20,20 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use parking_lot::Mutex;
 use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::block::{BlockKey, BlockShape};
 use crate::fault::{FaultControl, FaultyTier, FaultyTransport};
 use crate::plugin::{
-    CopyBatch, HostRegion, LayerContext, LayerFactory, MemorySpace, PluginOption, Recovered, Tier,
-    TierCapabilities, TierError, TierGet, TierPut, Transport, TransportError,
+    defaults_of, parse_settings, ConfigSchema, CopyBatch, HostRegion, LayerContext, LayerFactory,
+    MemorySpace, PluginOption, Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut,
+    Transport, TransportError,
 };
 
-fn settings<T: for<'de> Deserialize<'de>>(name: &str, t: &toml::Table) -> anyhow::Result<T> {
-    toml::Value::Table(t.clone())
-        .try_into()
-        .map_err(|e| anyhow::anyhow!("{name} layer: {e}"))
-}
+/// The `metrics` layer's settings: none.
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct MetricsLayerConfig {}
 
 fn outcome<T>(r: &Result<T, TierError>) -> &'static str {
     match r {
@@ -258,10 +258,7 @@ fn metrics_tier(
     t: &toml::Table,
     ctx: &LayerContext,
 ) -> anyhow::Result<Arc<dyn Tier>> {
-    #[derive(Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct NoSettings {}
-    let _: NoSettings = settings("metrics", t)?;
+    let _: MetricsLayerConfig = parse_settings("metrics layer", t)?;
     Ok(Arc::new(MeteredTier::new(inner, ctx.clone())))
 }
 
@@ -270,10 +267,7 @@ fn metrics_transport(
     t: &toml::Table,
     ctx: &LayerContext,
 ) -> anyhow::Result<Arc<dyn Transport>> {
-    #[derive(Deserialize)]
-    #[serde(deny_unknown_fields)]
-    struct NoSettings {}
-    let _: NoSettings = settings("metrics", t)?;
+    let _: MetricsLayerConfig = parse_settings("metrics layer", t)?;
     Ok(Arc::new(MeteredTransport {
         inner,
         families: transport_families(ctx)?,
@@ -281,7 +275,7 @@ fn metrics_transport(
 }
 
 /// The `fault` layer's settings.
-#[derive(Debug, Clone, Default, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct FaultLayerConfig {
     /// Every k-th gated call fails (0 = never).
@@ -310,7 +304,7 @@ fn fault_tier(
     t: &toml::Table,
     _ctx: &LayerContext,
 ) -> anyhow::Result<Arc<dyn Tier>> {
-    let cfg: FaultLayerConfig = settings("fault", t)?;
+    let cfg: FaultLayerConfig = parse_settings("fault layer", t)?;
     tracing::warn!(
         tier = inner.kind(),
         ?cfg,
@@ -324,7 +318,7 @@ fn fault_transport(
     t: &toml::Table,
     _ctx: &LayerContext,
 ) -> anyhow::Result<Arc<dyn Transport>> {
-    let cfg: FaultLayerConfig = settings("fault", t)?;
+    let cfg: FaultLayerConfig = parse_settings("fault layer", t)?;
     tracing::warn!(
         transport = inner.kind(),
         ?cfg,
@@ -337,7 +331,7 @@ fn fault_transport(
 }
 
 /// The `admission` layer's settings.
-#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct AdmissionConfig {
     /// Keys remembered as seen once; when full, the memory is cleared (a new window starts).
@@ -474,7 +468,7 @@ fn admission_tier(
     t: &toml::Table,
     ctx: &LayerContext,
 ) -> anyhow::Result<Arc<dyn Tier>> {
-    let cfg: AdmissionConfig = settings("admission", t)?;
+    let cfg: AdmissionConfig = parse_settings("admission layer", t)?;
     Ok(Arc::new(AdmissionTier::new(inner, &cfg, ctx.clone())))
 }
 
@@ -482,7 +476,7 @@ inventory::submit! {
     LayerFactory {
         name: "metrics",
         summary: "counts every call by outcome, its duration and bytes (pegaflow_tier_*, pegaflow_transport_*)",
-        options: &[],
+        config: ConfigSchema { defaults: defaults_of::<MetricsLayerConfig>, options: &[] },
         wrap_tier: Some(metrics_tier),
         wrap_transport: Some(metrics_transport),
     }
@@ -492,11 +486,14 @@ inventory::submit! {
     LayerFactory {
         name: "fault",
         summary: "injects failures and delays (staging and tests; never in production)",
-        options: &[
-            PluginOption { name: "fail_every", default: "0", help: "every k-th call fails (0 = never)" },
-            PluginOption { name: "fail_next", default: "0", help: "the first n calls fail" },
-            PluginOption { name: "delay_ms", default: "0", help: "each call waits this long first (milliseconds)" },
-        ],
+        config: ConfigSchema {
+            defaults: defaults_of::<FaultLayerConfig>,
+            options: &[
+                PluginOption { name: "fail_every", help: "every k-th call fails (0 = never)" },
+                PluginOption { name: "fail_next", help: "the first n calls fail" },
+                PluginOption { name: "delay_ms", help: "each call waits this long first (milliseconds)" },
+            ],
+        },
         wrap_tier: Some(fault_tier),
         wrap_transport: Some(fault_transport),
     }
@@ -506,9 +503,12 @@ inventory::submit! {
     LayerFactory {
         name: "admission",
         summary: "writes a block to the tier only on its second sighting (put or missed lookup); --enable-lfu-admission adds it to every lower tier",
-        options: &[
-            PluginOption { name: "window_keys", default: "1048576", help: "keys remembered as seen once before the memory is cleared" },
-        ],
+        config: ConfigSchema {
+            defaults: defaults_of::<AdmissionConfig>,
+            options: &[
+                PluginOption { name: "window_keys", help: "keys remembered as seen once before the memory is cleared" },
+            ],
+        },
         wrap_tier: Some(admission_tier),
         wrap_transport: None,
     }

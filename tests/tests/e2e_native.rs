@@ -146,7 +146,7 @@ impl Registrar for FakeVmmRegistrar {
     }
 }
 inventory::submit! {
-    RegistrarFactory { kind: "fake-vmm", summary: "test", options: &[], build: |_, _| Ok(Arc::new(FakeVmmRegistrar)) }
+    RegistrarFactory { kind: "fake-vmm", summary: "test", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(FakeVmmRegistrar)) }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

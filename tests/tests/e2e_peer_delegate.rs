@@ -9,7 +9,7 @@ use async_trait::async_trait;
 use pegaflow_proto as pb;
 use pegaflow_runtime::config::PluginConfig;
 use pegaflow_runtime::store::TierStack;
-use pegaflow_runtime::{PeerService, PeerServiceFactory, PluginOption, RuntimeContext};
+use pegaflow_runtime::{ConfigSchema, PeerService, PeerServiceFactory, RuntimeContext};
 use pegaflow_tests::harness::*;
 use tonic::Code;
 
@@ -82,7 +82,7 @@ inventory::submit! {
     PeerServiceFactory {
         kind: "test-echo",
         summary: "test only: echoes the server-to-server RPCs",
-        options: &[] as &[PluginOption],
+        config: ConfigSchema::NONE,
         build,
     }
 }

@@ -117,10 +117,10 @@ impl Transport for ProbeTransport {
 }
 
 inventory::submit! {
-    RegistrarFactory { kind: "probe-host", summary: "test probe", options: &[], build: |_, _| Ok(Arc::new(ProbeRegistrar)) }
+    RegistrarFactory { kind: "probe-host", summary: "test probe", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ProbeRegistrar)) }
 }
 inventory::submit! {
-    TransportFactory { kind: "probe-memcpy", summary: "test probe", options: &[], build: |_, _| Ok(Arc::new(ProbeTransport)) }
+    TransportFactory { kind: "probe-memcpy", summary: "test probe", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ProbeTransport)) }
 }
 
 const SHAPE: KvShape = KvShape {

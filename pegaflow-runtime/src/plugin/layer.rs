@@ -10,7 +10,7 @@ use std::sync::Arc;
 
 use super::tier::Tier;
 use super::transport::Transport;
-use super::PluginOption;
+use super::ConfigSchema;
 use crate::metrics::Metrics;
 
 /// What a layer's constructor gets besides its settings and the backend it wraps.
@@ -44,8 +44,9 @@ pub struct LayerFactory {
     pub name: &'static str,
     /// One line on what it does.
     pub summary: &'static str,
-    /// Options with defaults (given as `{ kind = "<name>", option = value }` in the list).
-    pub options: &'static [PluginOption],
+    /// Settings with defaults and help (given as `{ kind = "<name>", option = value }` in
+    /// the list).
+    pub config: ConfigSchema,
     /// Wraps a block tier, when the layer applies to tiers.
     pub wrap_tier: Option<TierLayerBuild>,
     /// Wraps a transport, when the layer applies to transports.

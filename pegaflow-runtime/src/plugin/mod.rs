@@ -58,15 +58,161 @@ impl std::fmt::Debug for RuntimeContext {
     }
 }
 
-/// A documented option of a backend, for `--list-plugins`.
+/// Help for one setting of a backend or layer, for `--list-plugins`.
 #[derive(Debug, Clone, Copy)]
 pub struct PluginOption {
-    /// Key in the pipeline table.
+    /// Key in the pipeline table (a key of [`ConfigSchema::defaults`]).
     pub name: &'static str,
-    /// Default value, as TOML.
-    pub default: &'static str,
     /// What it does.
     pub help: &'static str,
+}
+
+/// A factory's settings as `--list-plugins` shows them: the defaults come from the backend's
+/// serde config struct (its `Default`, serialised by [`defaults_of`]), so they cannot drift
+/// from what the backend uses; `options` gives one help line per key.
+#[derive(Debug, Clone, Copy)]
+pub struct ConfigSchema {
+    /// The default settings, as a pipeline table would hold them.
+    pub defaults: fn() -> toml::Table,
+    /// Help per key of `defaults`, in listing order.
+    pub options: &'static [PluginOption],
+}
+
+impl ConfigSchema {
+    /// A factory without settings: an empty table is its only valid one.
+    pub const NONE: ConfigSchema = ConfigSchema {
+        defaults: toml::Table::new,
+        options: &[],
+    };
+
+    /// Problems with the documentation: a default key without help, help for a key that is
+    /// not a setting, a key documented twice. Empty when the listing is complete; each entry
+    /// names the key.
+    pub fn doc_problems(&self) -> Vec<String> {
+        let defaults = (self.defaults)();
+        let mut v = Vec::new();
+        for key in defaults.keys() {
+            if !self.options.iter().any(|o| o.name == key) {
+                v.push(format!("setting {key:?} has no help"));
+            }
+        }
+        for (i, o) in self.options.iter().enumerate() {
+            if !defaults.contains_key(o.name) {
+                v.push(format!("help for {:?}, which is not a setting", o.name));
+            }
+            if self.options[..i].iter().any(|p| p.name == o.name) {
+                v.push(format!("{:?} is documented twice", o.name));
+            }
+        }
+        v
+    }
+}
+
+/// `T::default()` serialised into a pipeline table: what [`ConfigSchema::defaults`] returns
+/// for a backend whose config struct is `T`.
+///
+/// # Panics
+/// When `T` does not serialise to a TOML table (a struct with named fields does; an
+/// `Option` field must be skipped when `None`), which is a bug of the backend that the
+/// documentation test of every linked factory catches.
+pub fn defaults_of<T: Default + serde::Serialize>() -> toml::Table {
+    match toml::Value::try_from(T::default()) {
+        Ok(toml::Value::Table(t)) => t,
+        Ok(other) => panic!(
+            "{}::default() serialises to {other}, not a table",
+            std::any::type_name::<T>()
+        ),
+        Err(e) => panic!(
+            "{}::default() does not serialise to TOML: {e}",
+            std::any::type_name::<T>()
+        ),
+    }
+}
+
+/// Deserialises a factory's pipeline table into its config struct `T` (which should be
+/// `#[serde(deny_unknown_fields)]`, with defaults from `#[serde(default)]`). A `kind` key
+/// (the entry's name, present when a whole pipeline entry is passed) is not a setting and is
+/// skipped.
+///
+/// # Errors
+/// The table does not fit `T`; the message starts with `what` (e.g. `"dram tier"`) and
+/// names the bad key (for an unknown key, serde lists the valid ones), on one line, e.g.
+/// "dram tier: invalid type: string \"two\", expected usize in \`shards\`".
+pub fn parse_settings<T: serde::de::DeserializeOwned>(
+    what: &str,
+    table: &toml::Table,
+) -> anyhow::Result<T> {
+    let mut t = table.clone();
+    t.remove("kind");
+    T::deserialize(toml::Value::Table(t)).map_err(|e| {
+        // toml names the key on a line of its own ("...\nin `shards`"): keep one line.
+        let msg = e.to_string();
+        let msg: Vec<&str> = msg
+            .lines()
+            .map(str::trim)
+            .filter(|l| !l.is_empty())
+            .collect();
+        anyhow::anyhow!("{what}: {}", msg.join(" "))
+    })
+}
+
+/// How a [`FactoryFlag`]'s value is read from the command line and stored in the setting.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum FlagValue {
+    /// A byte size (`30gb`, `512mib`, bytes; see [`crate::config::parse_size`]), stored as
+    /// [`crate::config::size`] writes sizes.
+    Size,
+    /// An integer of at least `min`.
+    Integer {
+        /// Smallest accepted value.
+        min: i64,
+    },
+    /// `true` or `false` (`--flag` alone means `true`).
+    Bool,
+    /// Any text, stored as a string.
+    Text,
+}
+
+impl FlagValue {
+    /// Parses one command-line value into the TOML value stored in the setting.
+    ///
+    /// # Errors
+    /// The text does not fit the kind (the message says what was expected).
+    pub fn parse(self, text: &str) -> Result<toml::Value, String> {
+        match self {
+            FlagValue::Size => crate::config::parse_size(text)
+                .map(crate::config::size::to_value)
+                .map_err(|e| e.to_string()),
+            FlagValue::Integer { min } => match text.trim().parse::<i64>() {
+                Ok(v) if v >= min => Ok(toml::Value::Integer(v)),
+                _ => Err(format!("must be an integer >= {min}")),
+            },
+            FlagValue::Bool => match text {
+                "true" => Ok(toml::Value::Boolean(true)),
+                "false" => Ok(toml::Value::Boolean(false)),
+                _ => Err("must be true or false".into()),
+            },
+            FlagValue::Text => Ok(toml::Value::String(text.into())),
+        }
+    }
+}
+
+/// A command-line flag a factory declares: given, its value overrides one setting of the
+/// factory's pipeline entry (for a tier, the first `[[tier]]` of the factory's kind; for a
+/// transport or registrar, every entry of its kind). The runtime adds every linked factory's
+/// flags to the command line, so a backend brings its flags without editing the runtime.
+#[derive(Debug, Clone, Copy)]
+pub struct FactoryFlag {
+    /// Long name without the dashes (`pool-size` for `--pool-size`); unique in the binary.
+    pub long: &'static str,
+    /// Placeholder of the value in `--help` (`SIZE`).
+    pub value_name: &'static str,
+    /// Help line for `--help`.
+    pub help: &'static str,
+    /// Key of the setting it overrides (a key of the factory's [`ConfigSchema::defaults`]).
+    pub setting: &'static str,
+    /// How the value is parsed.
+    pub value: FlagValue,
 }
 
 /// What a `[[tier]]` factory builds: the landing pool (host DRAM, the first entry) or a
@@ -102,8 +248,13 @@ pub struct TierFactory {
     pub kind: &'static str,
     /// One line on what it is.
     pub summary: &'static str,
-    /// Options with defaults.
-    pub options: &'static [PluginOption],
+    /// Settings with defaults and help.
+    pub config: ConfigSchema,
+    /// Command-line flags overriding its settings.
+    pub flags: &'static [FactoryFlag],
+    /// Whether this is the tier a pipeline without `[[tier]]` entries lands on (with its
+    /// default settings). At most one linked tier should say so.
+    pub default_landing: bool,
     /// The constructor.
     pub build: TierBuild,
 }
@@ -115,8 +266,10 @@ pub struct TransportFactory {
     pub kind: &'static str,
     /// One line on what it is.
     pub summary: &'static str,
-    /// Options with defaults.
-    pub options: &'static [PluginOption],
+    /// Settings with defaults and help.
+    pub config: ConfigSchema,
+    /// Command-line flags overriding its settings.
+    pub flags: &'static [FactoryFlag],
     /// The constructor.
     pub build: TransportBuild,
 }
@@ -128,8 +281,10 @@ pub struct RegistrarFactory {
     pub kind: &'static str,
     /// One line on what it is.
     pub summary: &'static str,
-    /// Options with defaults.
-    pub options: &'static [PluginOption],
+    /// Settings with defaults and help.
+    pub config: ConfigSchema,
+    /// Command-line flags overriding its settings.
+    pub flags: &'static [FactoryFlag],
     /// The constructor.
     pub build: RegistrarBuild,
 }
@@ -198,51 +353,217 @@ pub fn registrar_factory(kind: &str) -> anyhow::Result<&'static RegistrarFactory
         })
 }
 
-/// A human-readable listing of every linked plugin kind with its options and defaults.
+/// The tier a pipeline without `[[tier]]` entries lands on: the one linked tier factory
+/// that declares [`TierFactory::default_landing`].
+///
+/// # Errors
+/// No linked tier declares it, or several do (the message lists them and the linked kinds).
+pub fn default_landing_tier() -> anyhow::Result<&'static TierFactory> {
+    let mut it = inventory::iter::<TierFactory>().filter(|f| f.default_landing);
+    match (it.next(), it.next()) {
+        (Some(f), None) => Ok(f),
+        (None, _) => anyhow::bail!(
+            "no tier linked into this binary is a default landing tier; add a [[tier]] of a landing kind (this binary knows: {})",
+            known_tiers()
+        ),
+        (Some(_), Some(_)) => anyhow::bail!(
+            "several linked tiers declare themselves the default landing tier ({}); name one with a [[tier]] entry",
+            known(
+                inventory::iter::<TierFactory>().filter(|f| f.default_landing),
+                |f| f.kind
+            )
+        ),
+    }
+}
+
+/// The pipeline section of a factory: where its entries live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Section {
+    /// `[[tier]]`.
+    Tier,
+    /// `[[transport]]`.
+    Transport,
+    /// `[[registrar]]`.
+    Registrar,
+}
+
+impl Section {
+    /// The section's word in messages (`tier`, `transport`, `registrar`).
+    pub fn noun(self) -> &'static str {
+        match self {
+            Section::Tier => "tier",
+            Section::Transport => "transport",
+            Section::Registrar => "registrar",
+        }
+    }
+}
+
+/// A flag with the factory that declared it.
+#[derive(Debug, Clone, Copy)]
+pub struct DeclaredFlag {
+    /// The declaring factory's section.
+    pub section: Section,
+    /// The declaring factory's kind.
+    pub kind: &'static str,
+    /// The flag.
+    pub flag: &'static FactoryFlag,
+}
+
+/// Every flag the linked tier, transport and registrar factories declare, in that order.
+pub fn declared_flags() -> Vec<DeclaredFlag> {
+    let mut v = Vec::new();
+    let mut add = |section, kind, flags: &'static [FactoryFlag]| {
+        v.extend(flags.iter().map(|flag| DeclaredFlag {
+            section,
+            kind,
+            flag,
+        }));
+    };
+    for f in inventory::iter::<TierFactory>() {
+        add(Section::Tier, f.kind, f.flags);
+    }
+    for f in inventory::iter::<TransportFactory>() {
+        add(Section::Transport, f.kind, f.flags);
+    }
+    for f in inventory::iter::<RegistrarFactory>() {
+        add(Section::Registrar, f.kind, f.flags);
+    }
+    v
+}
+
+struct Row {
+    name: &'static str,
+    summary: &'static str,
+    note: &'static str,
+    config: ConfigSchema,
+    flags: &'static [FactoryFlag],
+}
+
+fn rows() -> Vec<(&'static str, Vec<Row>)> {
+    let row = |name, summary, config, flags| Row {
+        name,
+        summary,
+        note: "",
+        config,
+        flags,
+    };
+    let mut sections = vec![
+        (
+            "tiers",
+            inventory::iter::<TierFactory>()
+                .map(|f| Row {
+                    note: if f.default_landing {
+                        " (the default landing tier)"
+                    } else {
+                        ""
+                    },
+                    ..row(f.kind, f.summary, f.config, f.flags)
+                })
+                .collect::<Vec<_>>(),
+        ),
+        (
+            "transports",
+            inventory::iter::<TransportFactory>()
+                .map(|f| row(f.kind, f.summary, f.config, f.flags))
+                .collect(),
+        ),
+        (
+            "registrars",
+            inventory::iter::<RegistrarFactory>()
+                .map(|f| row(f.kind, f.summary, f.config, f.flags))
+                .collect(),
+        ),
+        (
+            "peer delegates ([peer] kind = ...: the server-to-server RPCs)",
+            inventory::iter::<PeerServiceFactory>()
+                .map(|f| row(f.kind, f.summary, f.config, &[]))
+                .collect(),
+        ),
+        (
+            "layers (layers = [...] on a [[tier]] or [[transport]] entry)",
+            inventory::iter::<LayerFactory>()
+                .map(|f| row(f.name, f.summary, f.config, &[]))
+                .collect(),
+        ),
+    ];
+    for (_, rows) in &mut sections {
+        rows.sort_by_key(|r| r.name);
+    }
+    sections
+}
+
+/// Documentation problems of every linked factory and layer: a setting without help, help
+/// or a flag for a key that is not a setting, a flag declared twice. Each entry names the
+/// factory; empty when `--list-plugins` documents everything. Backend crates call it from a
+/// test, so their listing cannot drift from their config structs.
+pub fn doc_problems() -> Vec<String> {
+    let mut v = Vec::new();
+    for (section, rows) in rows() {
+        for r in rows {
+            let defaults = (r.config.defaults)();
+            v.extend(
+                r.config
+                    .doc_problems()
+                    .into_iter()
+                    .map(|p| format!("{section} {:?}: {p}", r.name)),
+            );
+            for f in r.flags {
+                if !defaults.contains_key(f.setting) {
+                    v.push(format!(
+                        "{section} {:?}: --{} sets {:?}, which is not a setting",
+                        r.name, f.long, f.setting
+                    ));
+                }
+            }
+        }
+    }
+    let flags = declared_flags();
+    for (i, a) in flags.iter().enumerate() {
+        if let Some(b) = flags[..i].iter().find(|b| b.flag.long == a.flag.long) {
+            v.push(format!(
+                "--{} is declared by {} {:?} and {} {:?}",
+                a.flag.long,
+                b.section.noun(),
+                b.kind,
+                a.section.noun(),
+                a.kind
+            ));
+        }
+    }
+    v
+}
+
+/// A human-readable listing of every linked plugin kind with its settings (`key = default
+/// help`, the defaults rendered from the backend's config struct) and the flags it declares.
 pub fn describe_plugins() -> String {
     use std::fmt::Write;
     let mut s = String::new();
-    let mut section =
-        |title: &str, rows: Vec<(&'static str, &'static str, &'static [PluginOption])>| {
-            let _ = writeln!(s, "{title}:");
-            let mut rows = rows;
-            rows.sort_by_key(|r| r.0);
-            for (kind, summary, opts) in rows {
-                let _ = writeln!(s, "  {kind:<12} {summary}");
-                for o in opts {
-                    let _ = writeln!(s, "      {} = {}    {}", o.name, o.default, o.help);
+    for (title, rows) in rows() {
+        let _ = writeln!(s, "{title}:");
+        for r in rows {
+            let _ = writeln!(s, "  {:<12} {}{}", r.name, r.summary, r.note);
+            let mut defaults = (r.config.defaults)();
+            for o in r.config.options {
+                match defaults.remove(o.name) {
+                    Some(d) => {
+                        let _ = writeln!(s, "      {} = {d}    {}", o.name, o.help);
+                    }
+                    None => {
+                        let _ = writeln!(s, "      {}    {}", o.name, o.help);
+                    }
                 }
             }
-        };
-    section(
-        "tiers",
-        inventory::iter::<TierFactory>()
-            .map(|f| (f.kind, f.summary, f.options))
-            .collect(),
-    );
-    section(
-        "transports",
-        inventory::iter::<TransportFactory>()
-            .map(|f| (f.kind, f.summary, f.options))
-            .collect(),
-    );
-    section(
-        "registrars",
-        inventory::iter::<RegistrarFactory>()
-            .map(|f| (f.kind, f.summary, f.options))
-            .collect(),
-    );
-    section(
-        "peer delegates ([peer] kind = ...: the server-to-server RPCs)",
-        inventory::iter::<PeerServiceFactory>()
-            .map(|f| (f.kind, f.summary, f.options))
-            .collect(),
-    );
-    section(
-        "layers (layers = [...] on a [[tier]] or [[transport]] entry)",
-        inventory::iter::<LayerFactory>()
-            .map(|f| (f.name, f.summary, f.options))
-            .collect(),
-    );
+            for (k, d) in defaults {
+                let _ = writeln!(s, "      {k} = {d}");
+            }
+            for f in r.flags {
+                let _ = writeln!(
+                    s,
+                    "      --{} <{}> sets {}",
+                    f.long, f.value_name, f.setting
+                );
+            }
+        }
+    }
     s
 }

@@ -13,7 +13,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use pegaflow_proto as pb;
 
-use super::{PluginOption, RuntimeContext};
+use super::{ConfigSchema, RuntimeContext};
 use crate::store::TierStack;
 
 /// Serves the server-to-server RPCs for one cross-node backend. Requests arrive as decoded
@@ -54,8 +54,8 @@ pub struct PeerServiceFactory {
     pub kind: &'static str,
     /// One line on what it is.
     pub summary: &'static str,
-    /// Options with defaults.
-    pub options: &'static [PluginOption],
+    /// Settings with defaults and help (the `[peer]` table).
+    pub config: ConfigSchema,
     /// The constructor.
     pub build: PeerServiceBuild,
 }

@@ -12,8 +12,10 @@
 //! used-byte count, or give memory back to the OS (`trim`) that a live buffer uses. It does
 //! not decide what to evict: the engine's block index does, and frees buffers by dropping them.
 //!
-//! Settings (the `[[tier]]` table): `capacity` (size string or bytes, default `"30gb"`),
-//! `shards` (default 1). Eviction is the tier stack's (exact LRU), not a setting here.
+//! Settings (the `[[tier]]` table, [`DramSettings`]): `capacity` (size string or bytes,
+//! default `"30gb"`; `--pool-size`), `shards` (default 1; `--pool-shards`). Eviction is the
+//! tier stack's (exact LRU), not a setting here. It is the default landing tier: a pipeline
+//! without `[[tier]]` entries runs it with these defaults.
 
 mod freelist;
 mod pool;
@@ -21,10 +23,11 @@ mod pool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use pegaflow_runtime::config::size_setting;
 use pegaflow_runtime::{
-    BuiltTier, HostBuffer, HostPool, HostRegion, PluginOption, RuntimeContext, TierFactory,
+    defaults_of, parse_settings, BuiltTier, ConfigSchema, FactoryFlag, FlagValue, HostBuffer,
+    HostPool, HostRegion, PluginOption, RuntimeContext, TierFactory,
 };
+use serde::{Deserialize, Serialize};
 
 pub use pool::{GRANULE, TRIM_MIN_EXTENT};
 
@@ -36,13 +39,14 @@ pub const DEFAULT_CAPACITY: u64 = 30 << 30;
 /// Most shards a pool may be split into.
 pub const MAX_SHARDS: usize = 4096;
 
-/// The setting keys a `dram` tier table may hold.
-pub const SETTING_KEYS: &[&str] = &["capacity", "shards"];
-
-/// A `dram` tier's settings.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+/// A `dram` tier's settings: what its `[[tier]]` table deserialises into (unknown keys are
+/// refused; a missing key takes its default).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct DramSettings {
-    /// Pool size in bytes; rounded down to [`GRANULE`] when the pool is built.
+    /// Pool size in bytes (a size string like `"30gb"` or a byte count in the table); rounded
+    /// down to [`GRANULE`] when the pool is built.
+    #[serde(with = "pegaflow_runtime::config::size")]
     pub capacity: u64,
     /// Independently locked sub-pools (≥ 1); allocations go round-robin with fallback.
     pub shards: usize,
@@ -62,35 +66,16 @@ impl DramSettings {
     ///
     /// # Errors
     /// An unknown key (the message lists the valid keys; eviction is the tier stack's, exact
-    /// LRU, not a dram setting), a malformed `capacity`, or a `shards` that is not an
-    /// integer ≥ 1.
+    /// LRU, not a dram setting), a malformed `capacity`, or a `shards` that is not a
+    /// non-negative integer (0 and too many shards are refused by [`DramTier::new`]).
     pub fn from_table(table: &toml::Table) -> anyhow::Result<Self> {
-        for key in table.keys() {
-            if key == "eviction" {
-                bail!(
-                    "dram tier: eviction is not a dram setting: the tier stack evicts in exact LRU order \
-                     (for frequency-based admission, add the \"admission\" layer to a lower tier)"
-                );
-            }
-            if key != "kind" && !SETTING_KEYS.contains(&key.as_str()) {
-                bail!(
-                    "dram tier: unknown setting {key:?}; valid settings: {}",
-                    SETTING_KEYS.join(", ")
-                );
-            }
+        if table.contains_key("eviction") {
+            bail!(
+                "dram tier: eviction is not a dram setting: the tier stack evicts in exact LRU order \
+                 (for frequency-based admission, add the \"admission\" layer to a lower tier)"
+            );
         }
-        let mut s = Self::default();
-        if let Some(c) = size_setting(table, "capacity").context("dram tier")? {
-            s.capacity = c;
-        }
-        match table.get("shards") {
-            None => {}
-            Some(toml::Value::Integer(i)) if *i >= 1 => {
-                s.shards = usize::try_from(*i).context("dram tier: shards out of range")?;
-            }
-            Some(v) => bail!("dram tier: shards must be an integer >= 1, got {v}"),
-        }
-        Ok(s)
+        parse_settings("dram tier", table)
     }
 }
 
@@ -269,18 +254,36 @@ inventory::submit! {
     TierFactory {
         kind: "dram",
         summary: "host-DRAM landing tier: one lazily committed anonymous mapping, 512-byte granules, sharded allocator",
-        options: &[
-            PluginOption {
-                name: "capacity",
-                default: "\"30gb\"",
-                help: "pool size: a size string (\"30gb\", \"512mib\") or bytes; rounded down to 512 bytes, committed as it is used",
+        config: ConfigSchema {
+            defaults: defaults_of::<DramSettings>,
+            options: &[
+                PluginOption {
+                    name: "capacity",
+                    help: "pool size: a size string (\"30gb\", \"512mib\") or bytes; rounded down to 512 bytes, committed as it is used",
+                },
+                PluginOption {
+                    name: "shards",
+                    help: "independently locked sub-pools, used round-robin with fallback",
+                },
+            ],
+        },
+        flags: &[
+            FactoryFlag {
+                long: "pool-size",
+                value_name: "SIZE",
+                help: "Host-DRAM tier capacity; units kb, mb, gb, tb (binary). [default: 30gb]",
+                setting: "capacity",
+                value: FlagValue::Size,
             },
-            PluginOption {
-                name: "shards",
-                default: "1",
-                help: "independently locked sub-pools, used round-robin with fallback",
+            FactoryFlag {
+                long: "pool-shards",
+                value_name: "N",
+                help: "Sub-pools of the DRAM tier, used round-robin. [default: 1]",
+                setting: "shards",
+                value: FlagValue::Integer { min: 1 },
             },
         ],
+        default_landing: true,
         build,
     }
 }

@@ -361,8 +361,20 @@ fn default_settings_and_factory() {
     assert_eq!(s.capacity, 30 << 30);
     let f = pegaflow_runtime::tier_factory("dram").expect("dram is registered");
     assert_eq!(f.kind, "dram");
-    let names: Vec<&str> = f.options.iter().map(|o| o.name).collect();
-    assert_eq!(names, SETTING_KEYS);
+    let names: Vec<&str> = f.config.options.iter().map(|o| o.name).collect();
+    let defaults = (f.config.defaults)();
+    assert_eq!(
+        names,
+        defaults.keys().map(String::as_str).collect::<Vec<_>>()
+    );
+    assert_eq!(defaults["capacity"], toml::Value::String("30gb".into()));
+    assert_eq!(
+        DramSettings::from_table(&defaults).unwrap(),
+        DramSettings::default(),
+        "the rendered defaults read back as the defaults"
+    );
+    assert!(f.default_landing);
+    assert!(pegaflow_runtime::describe_plugins().contains("capacity = \"30gb\""));
     // The default 30 GiB pool starts regardless of free memory.
     let landing = |b: BuiltTier| match b {
         BuiltTier::Landing(p) => p,
@@ -427,13 +439,19 @@ fn bad_settings_are_rejected_clearly() {
     assert!(e.contains("eviction") && e.contains("tier stack"), "{e}");
     let e = build_err("capacty = \"1gb\"");
     assert!(
-        e.contains("capacty") && e.contains("capacity, shards"),
+        e.starts_with("dram tier: ")
+            && e.contains("capacty")
+            && e.contains("`capacity`")
+            && e.contains("`shards`"),
         "{e}"
     );
     let e = build_err("shards = 0");
     assert!(e.contains("shards"), "{e}");
     let e = build_err("shards = \"two\"");
-    assert!(e.contains("shards must be an integer"), "{e}");
+    assert_eq!(
+        e,
+        "dram tier: invalid type: string \"two\", expected usize in `shards`"
+    );
     let e = build_err("capacity = \"lots\"");
     assert!(e.contains("capacity") || e.contains("invalid size"), "{e}");
     let e = build_err("capacity = 100");
@@ -441,7 +459,7 @@ fn bad_settings_are_rejected_clearly() {
     let e = build_err("capacity = 1024\nshards = 3");
     assert!(e.contains("between 1 and 2"), "{e}");
     let e = build_err("capacity = -5");
-    assert!(e.contains("capacity"), "{e}");
+    assert_eq!(e, "dram tier: invalid size -5: negative in `capacity`");
     let e = build_err("shards = 5000");
     assert!(e.contains("between 1 and 4096"), "{e}");
 }

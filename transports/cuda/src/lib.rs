@@ -48,7 +48,7 @@ pub const CUDA_DOMAIN: &str = "cuda";
 pub const fn cuda_space(ordinal: i32) -> MemorySpace {
     MemorySpace::new(CUDA_DOMAIN, ordinal)
 }
-pub use registrar::{CudaIpcRegistrar, IpcMapping};
+pub use registrar::{CudaIpcConfig, CudaIpcRegistrar, IpcMapping};
 pub use transport::{CopyPath, CopyReport, CudaTransport, CudaTransportConfig, KernelPath, Policy};
-pub use vmm::CudaVmmRegistrar;
+pub use vmm::{CudaVmmConfig, CudaVmmRegistrar};
 pub use wrapper::{parse_wrapper, CudaIpcWrapper, MemHandle, WrapperError};

@@ -18,10 +18,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemorySpace, PayloadCarrier, PayloadScheme, Registrar,
-    RegistrarError, RegistrarFactory, RegistrarTraits, Registration, RegistrationPayload,
-    RuntimeContext,
+    defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion, MemorySpace,
+    PayloadCarrier, PayloadScheme, Registrar, RegistrarError, RegistrarFactory, RegistrarTraits,
+    Registration, RegistrationPayload, RuntimeContext,
 };
+use serde::{Deserialize, Serialize};
 
 use crate::driver::{driver, Registry};
 use crate::wrapper::{parse_wrapper, CudaIpcWrapper, WrapperError};
@@ -74,8 +75,10 @@ pub struct CudaIpcRegistrar {
     devices: Option<Vec<i32>>,
 }
 
-/// The setting keys a `cuda-ipc` registrar table may hold (none yet).
-pub const REGISTRAR_KEYS: &[&str] = &[];
+/// A `cuda-ipc` registrar's settings: none yet (an empty table is the only valid one).
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct CudaIpcConfig {}
 
 impl CudaIpcRegistrar {
     /// A registrar serving `devices` (CUDA ordinals; `None` = every device the driver reports).
@@ -85,9 +88,7 @@ impl CudaIpcRegistrar {
     }
 
     fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Registrar>> {
-        if let Some(k) = table.keys().find(|k| !REGISTRAR_KEYS.contains(&k.as_str())) {
-            anyhow::bail!("unknown cuda-ipc registrar setting {k:?} (it has none)");
-        }
+        let _: CudaIpcConfig = parse_settings("cuda-ipc registrar", table)?;
         if let Err(e) = driver() {
             tracing::warn!("cuda-ipc registrations will fail: {e}");
         }
@@ -254,7 +255,11 @@ inventory::submit! {
     RegistrarFactory {
         kind: "cuda-ipc",
         summary: "imports CudaIPCWrapper pickles (the Python client) as CUDA IPC mappings",
-        options: &[],
+        config: ConfigSchema {
+            defaults: defaults_of::<CudaIpcConfig>,
+            options: &[],
+        },
+        flags: &[],
         build: CudaIpcRegistrar::build,
     }
 }

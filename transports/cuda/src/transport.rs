@@ -25,11 +25,11 @@ use async_trait::async_trait;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::config::size_setting;
 use pegaflow_runtime::{
-    CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, PluginOption, RuntimeContext, Transport,
-    TransportError, TransportFactory,
+    defaults_of, parse_settings, ConfigSchema, CopyBatch, CopyOp, Direction, HostRegion,
+    MemorySpace, PluginOption, RuntimeContext, Transport, TransportError, TransportFactory,
 };
+use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
 
 use crate::driver::{check, driver, CudaError, Driver};
@@ -43,7 +43,8 @@ const KERNEL_NAME: &std::ffi::CStr = c"pf_copy";
 const BLOCK_THREADS: u32 = 256;
 
 /// Which transfer mode a batch runs in, relative to the batch's [`TransferMode`] hint.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum Policy {
     /// Per batch: the direct path for few or large ranges, the kernel path otherwise.
     Auto,
@@ -56,7 +57,8 @@ pub enum Policy {
 }
 
 /// How the kernel path reaches host memory.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
 pub enum KernelPath {
     /// Through a device staging buffer and large pinned copies.
     Staged,
@@ -89,23 +91,28 @@ pub struct CopyReport {
     pub submissions: usize,
 }
 
-/// Settings of a `[[transport]] kind = "cuda"` table.
-#[derive(Debug, Clone, PartialEq, Eq)]
+/// Settings of a `[[transport]] kind = "cuda"` table: what it deserialises into (unknown
+/// keys are refused; a missing key takes its default). Sizes are size strings or bytes.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
 pub struct CudaTransportConfig {
     /// `policy`: `"auto"` (default), `"hint"`, `"direct"` or `"kernel"`.
     pub policy: Policy,
     /// `kernel_path`: `"staged"` (default) or `"mapped"`.
     pub kernel_path: KernelPath,
     /// `staging_chunk`: bytes per staging buffer (two per worker), default 16 MiB.
+    #[serde(with = "pegaflow_runtime::config::size")]
     pub staging_chunk: u64,
     /// `direct_min_bytes`: under `auto`, batches whose merged ranges average at least this
     /// many bytes take the direct path; default 8 MiB.
+    #[serde(with = "pegaflow_runtime::config::size")]
     pub direct_min_bytes: u64,
     /// `pin`: register the landing tier's memory with CUDA, default true.
     pub pin: bool,
     /// `pin_threads`: threads registering it in parallel, default min(8, CPUs).
     pub pin_threads: usize,
     /// `pin_chunk`: most bytes per registration, default and maximum 64 GiB.
+    #[serde(with = "pegaflow_runtime::config::size")]
     pub pin_chunk: usize,
     /// `queue_depth`: batches waiting per worker before `copy` waits, default 64.
     pub queue_depth: usize,
@@ -132,142 +139,71 @@ impl Default for CudaTransportConfig {
     }
 }
 
-/// The setting keys a `cuda` transport table may hold.
-pub const TRANSPORT_KEYS: &[&str] = &[
-    "policy",
-    "kernel_path",
-    "staging_chunk",
-    "direct_min_bytes",
-    "pin",
-    "pin_threads",
-    "pin_chunk",
-    "queue_depth",
-    "blocks_per_sm",
-];
-
 const OPTIONS: &[PluginOption] = &[
     PluginOption {
         name: "policy",
-        default: "\"auto\"",
         help: "auto | hint (follow the instance's transfer_mode) | direct | kernel",
     },
     PluginOption {
         name: "kernel_path",
-        default: "\"staged\"",
         help: "staged (device staging buffer + large pinned copies) | mapped (zero-copy)",
     },
     PluginOption {
         name: "staging_chunk",
-        default: "\"16mb\"",
-        help: "bytes per staging buffer; each worker has two (per device and direction)",
+        help: "bytes per staging buffer (1 MiB to 1 GiB); each worker has two (per device and direction)",
     },
     PluginOption {
         name: "direct_min_bytes",
-        default: "\"8mb\"",
         help: "auto: average merged range size from which the direct path is used",
     },
     PluginOption {
         name: "pin",
-        default: "true",
         help: "pin (cuMemHostRegister) the landing tier in the background",
     },
     PluginOption {
         name: "pin_threads",
-        default: "min(8, cpus)",
-        help: "threads pinning in parallel",
+        help: "threads pinning in parallel, 1 to 256 (default: min(8, CPUs))",
     },
     PluginOption {
         name: "pin_chunk",
-        default: "\"64gb\"",
-        help: "most bytes per cuMemHostRegister call (at most 64 GiB)",
+        help: "most bytes per cuMemHostRegister call (2 MiB to 64 GiB)",
     },
     PluginOption {
         name: "queue_depth",
-        default: "64",
-        help: "batches queued per worker",
+        help: "batches queued per worker, 1 to 65536",
     },
     PluginOption {
         name: "blocks_per_sm",
-        default: "8",
-        help: "copy kernel thread blocks per multiprocessor",
+        help: "copy kernel thread blocks per multiprocessor, 1 to 64",
     },
 ];
-
-fn int_setting(table: &toml::Table, key: &str, min: i64, max: i64) -> anyhow::Result<Option<i64>> {
-    match table.get(key) {
-        None => Ok(None),
-        Some(toml::Value::Integer(i)) if (min..=max).contains(i) => Ok(Some(*i)),
-        Some(v) => anyhow::bail!("{key} must be an integer in {min}..={max}, got {v}"),
-    }
-}
 
 impl CudaTransportConfig {
     /// Reads a `cuda` transport table.
     ///
-    /// Errors: unknown keys, wrong types, out-of-range values.
+    /// # Errors
+    /// Unknown keys (listing the valid ones), wrong types, out-of-range values (naming the
+    /// key and its range).
     pub fn from_table(table: &toml::Table) -> anyhow::Result<Self> {
-        if let Some(k) = table.keys().find(|k| !TRANSPORT_KEYS.contains(&k.as_str())) {
-            anyhow::bail!(
-                "unknown cuda transport setting {k:?}; known: {}",
-                TRANSPORT_KEYS.join(", ")
-            );
-        }
-        let mut c = Self::default();
-        match table.get("policy") {
-            None => {}
-            Some(toml::Value::String(s)) => {
-                c.policy = match s.as_str() {
-                    "auto" => Policy::Auto,
-                    "hint" => Policy::Hint,
-                    "direct" => Policy::Direct,
-                    "kernel" => Policy::Kernel,
-                    _ => anyhow::bail!("policy must be auto, hint, direct or kernel, got {s:?}"),
-                }
-            }
-            Some(v) => anyhow::bail!("policy must be a string, got {v}"),
-        }
-        match table.get("kernel_path") {
-            None => {}
-            Some(toml::Value::String(s)) => {
-                c.kernel_path = match s.as_str() {
-                    "staged" => KernelPath::Staged,
-                    "mapped" => KernelPath::Mapped,
-                    _ => anyhow::bail!("kernel_path must be staged or mapped, got {s:?}"),
-                }
-            }
-            Some(v) => anyhow::bail!("kernel_path must be a string, got {v}"),
-        }
-        if let Some(v) = size_setting(table, "staging_chunk")? {
+        let c: Self = parse_settings("cuda transport", table)?;
+        let range = |key: &str, v: u64, lo: u64, hi: u64, unit: &str| -> anyhow::Result<()> {
             anyhow::ensure!(
-                (1 << 20..=1 << 30).contains(&v),
-                "staging_chunk must be between 1 MiB and 1 GiB"
+                (lo..=hi).contains(&v),
+                "cuda transport: {key} must be between {lo} and {hi}{unit}, got {v}"
             );
-            c.staging_chunk = v;
-        }
-        if let Some(v) = size_setting(table, "direct_min_bytes")? {
-            c.direct_min_bytes = v;
-        }
-        match table.get("pin") {
-            None => {}
-            Some(toml::Value::Boolean(b)) => c.pin = *b,
-            Some(v) => anyhow::bail!("pin must be true or false, got {v}"),
-        }
-        if let Some(v) = int_setting(table, "pin_threads", 1, 256)? {
-            c.pin_threads = v as usize;
-        }
-        if let Some(v) = size_setting(table, "pin_chunk")? {
-            anyhow::ensure!(
-                (2 << 20..=MAX_PIN_CHUNK as u64).contains(&v),
-                "pin_chunk must be between 2 MiB and 64 GiB"
-            );
-            c.pin_chunk = v as usize;
-        }
-        if let Some(v) = int_setting(table, "queue_depth", 1, 65536)? {
-            c.queue_depth = v as usize;
-        }
-        if let Some(v) = int_setting(table, "blocks_per_sm", 1, 64)? {
-            c.blocks_per_sm = v as u32;
-        }
+            Ok(())
+        };
+        range("staging_chunk", c.staging_chunk, 1 << 20, 1 << 30, " bytes")?;
+        range("pin_threads", c.pin_threads as u64, 1, 256, "")?;
+        range(
+            "pin_chunk",
+            c.pin_chunk as u64,
+            2 << 20,
+            MAX_PIN_CHUNK as u64,
+            " bytes",
+        )?;
+        range("queue_depth", c.queue_depth as u64, 1, 65536, "")?;
+        range("blocks_per_sm", u64::from(c.blocks_per_sm), 1, 64, "")?;
         Ok(c)
     }
 }
@@ -493,7 +429,11 @@ inventory::submit! {
     TransportFactory {
         kind: "cuda",
         summary: "GPU <-> host copies (CUDA driver loaded at run time): batched gather/scatter kernel or direct copies",
-        options: OPTIONS,
+        config: ConfigSchema {
+            defaults: defaults_of::<CudaTransportConfig>,
+            options: OPTIONS,
+        },
+        flags: &[],
         build: CudaTransport::build,
     }
 }
@@ -1132,6 +1072,24 @@ direct_min_bytes = "1mb""#,
             let t: toml::Table = toml::from_str(bad).unwrap();
             assert!(CudaTransportConfig::from_table(&t).is_err(), "{bad}");
         }
+    }
+
+    #[test]
+    fn every_linked_factory_documents_its_settings() {
+        let problems = pegaflow_runtime::plugin::doc_problems();
+        assert!(problems.is_empty(), "{problems:#?}");
+        let defaults = defaults_of::<CudaTransportConfig>();
+        assert_eq!(
+            defaults["staging_chunk"],
+            toml::Value::String("16mb".into())
+        );
+        assert_eq!(defaults["policy"], toml::Value::String("auto".into()));
+        assert_eq!(
+            CudaTransportConfig::from_table(&defaults).unwrap(),
+            CudaTransportConfig::default()
+        );
+        let listing = pegaflow_runtime::describe_plugins();
+        assert!(listing.contains("kernel_path = \"staged\""), "{listing}");
     }
 
     #[test]

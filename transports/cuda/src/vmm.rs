@@ -35,10 +35,11 @@ use parking_lot::Mutex;
 use pegaflow_api::cuda_driver;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier, PayloadScheme,
-    PluginOption, Registrar, RegistrarError, RegistrarFactory, RegistrarTraits, Registration,
-    RuntimeContext,
+    defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion, MemorySpace,
+    NativeImport, PayloadCarrier, PayloadScheme, PluginOption, Registrar, RegistrarError,
+    RegistrarFactory, RegistrarTraits, Registration, RuntimeContext,
 };
+use serde::{Deserialize, Serialize};
 
 use crate::driver::{check, driver, CudaError, Driver, Registry};
 
@@ -49,8 +50,22 @@ pub const DEFAULT_FD_TIMEOUT: Duration = Duration::from_secs(10);
 /// Longest accepted `fd_timeout_secs`, in seconds (one hour).
 const MAX_FD_TIMEOUT_SECS: f64 = 3600.0;
 
-/// The setting keys a `cuda-vmm` registrar table may hold.
-pub const REGISTRAR_KEYS: &[&str] = &["fd_timeout_secs"];
+/// A `cuda-vmm` registrar's settings: what its `[[registrar]]` table deserialises into.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CudaVmmConfig {
+    /// Seconds an import waits for the allocation's fd on the side channel, 0 to 3600
+    /// (fractions allowed).
+    pub fd_timeout_secs: f64,
+}
+
+impl Default for CudaVmmConfig {
+    fn default() -> Self {
+        Self {
+            fd_timeout_secs: DEFAULT_FD_TIMEOUT.as_secs_f64(),
+        }
+    }
+}
 
 /// Driver symbols the VMM import and release call beyond those [`driver`] checks; all must
 /// resolve before any is called (cudarc's loader panics on a missing one).
@@ -430,31 +445,18 @@ impl CudaVmmRegistrar {
         }
     }
 
-    /// Builds the registrar from its pipeline table (`fd_timeout_secs`, seconds, 0–3600).
+    /// Builds the registrar from its pipeline table ([`CudaVmmConfig`]).
     ///
     /// Errors: an unknown key or an out-of-range / non-numeric `fd_timeout_secs`.
     pub fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Registrar>> {
-        if let Some(k) = table.keys().find(|k| !REGISTRAR_KEYS.contains(&k.as_str())) {
-            anyhow::bail!("unknown cuda-vmm registrar setting {k:?} (known: fd_timeout_secs)");
+        let c: CudaVmmConfig = parse_settings("cuda-vmm registrar", table)?;
+        let secs = c.fd_timeout_secs;
+        if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
+            anyhow::bail!(
+                "cuda-vmm registrar: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}"
+            );
         }
-        let fd_timeout = match table.get("fd_timeout_secs") {
-            None => DEFAULT_FD_TIMEOUT,
-            Some(v) => {
-                let secs = match v {
-                    toml::Value::Integer(i) => *i as f64,
-                    toml::Value::Float(f) => *f,
-                    other => anyhow::bail!(
-                        "cuda-vmm: fd_timeout_secs must be a number of seconds, got {other}"
-                    ),
-                };
-                if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
-                    anyhow::bail!(
-                        "cuda-vmm: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}"
-                    );
-                }
-                Duration::from_secs_f64(secs)
-            }
-        };
+        let fd_timeout = Duration::from_secs_f64(secs);
         if ctx.fd_channel.is_none() {
             tracing::info!(
                 "cuda-vmm registrations will be refused: no fd side channel (--fd-socket-path)"
@@ -566,11 +568,14 @@ inventory::submit! {
     RegistrarFactory {
         kind: "cuda-vmm",
         summary: "imports a native engine's CUDA VMM allocation (POSIX fd on the side channel)",
-        options: &[PluginOption {
-            name: "fd_timeout_secs",
-            default: "10",
-            help: "seconds an import waits for the allocation's fd on the side channel",
-        }],
+        config: ConfigSchema {
+            defaults: defaults_of::<CudaVmmConfig>,
+            options: &[PluginOption {
+                name: "fd_timeout_secs",
+                help: "seconds an import waits for the allocation's fd on the side channel",
+            }],
+        },
+        flags: &[],
         build: CudaVmmRegistrar::build,
     }
 }

@@ -18,27 +18,31 @@
 mod memcpy;
 mod registrar;
 
-pub use memcpy::{MemcpyTransport, DEFAULT_PARALLEL_THRESHOLD, DEFAULT_THREADS};
-pub use registrar::{HostMemfdRegistrar, DEFAULT_FD_TIMEOUT};
+pub use memcpy::{MemcpyConfig, MemcpyTransport, DEFAULT_PARALLEL_THRESHOLD, DEFAULT_THREADS};
+pub use registrar::{HostMemfdConfig, HostMemfdRegistrar, DEFAULT_FD_TIMEOUT};
 
-use pegaflow_runtime::{PluginOption, RegistrarFactory, TransportFactory};
+use pegaflow_runtime::{
+    defaults_of, ConfigSchema, PluginOption, RegistrarFactory, TransportFactory,
+};
 
 inventory::submit! {
     RegistrarFactory {
         kind: "host-memfd",
         summary: "host memory a client shares as a memfd on the fd side channel (needs --fd-socket-path)",
-        options: &[
-            PluginOption {
-                name: "fd_timeout_secs",
-                default: "10",
-                help: "seconds a registration waits for its memfd on the fd side channel",
-            },
-            PluginOption {
-                name: "require_shrink_seal",
-                default: "false",
-                help: "refuse memfds the server cannot seal against shrinking (a client that shrinks a mapped memfd crashes the server with SIGBUS)",
-            },
-        ],
+        config: ConfigSchema {
+            defaults: defaults_of::<HostMemfdConfig>,
+            options: &[
+                PluginOption {
+                    name: "fd_timeout_secs",
+                    help: "seconds a registration waits for its memfd on the fd side channel",
+                },
+                PluginOption {
+                    name: "require_shrink_seal",
+                    help: "refuse memfds the server cannot seal against shrinking (a client that shrinks a mapped memfd crashes the server with SIGBUS)",
+                },
+            ],
+        },
+        flags: &[],
         build: registrar::build,
     }
 }
@@ -47,30 +51,20 @@ inventory::submit! {
     TransportFactory {
         kind: "memcpy",
         summary: "CPU copies between host registrations (host-memfd) and host buffers",
-        options: &[
-            PluginOption {
-                name: "threads",
-                default: "4",
-                help: "most threads one large batch is split across",
-            },
-            PluginOption {
-                name: "parallel_threshold",
-                default: "\"64mb\"",
-                help: "batches at least this large are split across threads",
-            },
-        ],
+        config: ConfigSchema {
+            defaults: defaults_of::<MemcpyConfig>,
+            options: &[
+                PluginOption {
+                    name: "threads",
+                    help: "most threads one large batch is split across",
+                },
+                PluginOption {
+                    name: "parallel_threshold",
+                    help: "batches at least this large are split across threads",
+                },
+            ],
+        },
+        flags: &[],
         build: memcpy::build,
     }
-}
-
-/// Fails on keys of a plugin table that the plugin does not know (typos would otherwise be
-/// silently ignored).
-fn reject_unknown_keys(kind: &str, table: &toml::Table, known: &[&str]) -> anyhow::Result<()> {
-    if let Some(k) = table.keys().find(|k| !known.contains(&k.as_str())) {
-        anyhow::bail!(
-            "{kind}: unknown option {k:?} (known options: {})",
-            known.join(", ")
-        );
-    }
-    Ok(())
 }

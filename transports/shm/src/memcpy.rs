@@ -4,9 +4,10 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, RuntimeContext, Transport,
-    TransportError,
+    parse_settings, CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, RuntimeContext,
+    Transport, TransportError,
 };
+use serde::{Deserialize, Serialize};
 
 /// Most threads one batch is split across unless `threads` says otherwise.
 pub const DEFAULT_THREADS: usize = 4;
@@ -49,26 +50,42 @@ impl MemcpyTransport {
     }
 }
 
-/// Builds the transport from its pipeline table (`threads`, `parallel_threshold`).
+/// A `memcpy` transport's settings: what its `[[transport]]` table deserialises into.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MemcpyConfig {
+    /// Most threads one large batch is split across, 1 to 64.
+    pub threads: usize,
+    /// Batches of at least this many bytes are split across threads (a size string or bytes).
+    #[serde(with = "pegaflow_runtime::config::size")]
+    pub parallel_threshold: usize,
+}
+
+impl Default for MemcpyConfig {
+    fn default() -> Self {
+        Self {
+            threads: DEFAULT_THREADS,
+            parallel_threshold: DEFAULT_PARALLEL_THRESHOLD,
+        }
+    }
+}
+
+/// Builds the transport from its pipeline table ([`MemcpyConfig`]).
 pub(crate) fn build(
     table: &toml::Table,
     _ctx: &RuntimeContext,
 ) -> anyhow::Result<Arc<dyn Transport>> {
-    crate::reject_unknown_keys("memcpy", table, &["threads", "parallel_threshold"])?;
-    let threads = match table.get("threads") {
-        None => DEFAULT_THREADS,
-        Some(toml::Value::Integer(n)) if (1..=MAX_THREADS as i64).contains(n) => *n as usize,
-        Some(other) => {
-            anyhow::bail!("memcpy: threads must be an integer from 1 to {MAX_THREADS}, got {other}")
-        }
-    };
-    let parallel_threshold =
-        match pegaflow_runtime::config::size_setting(table, "parallel_threshold")? {
-            None => DEFAULT_PARALLEL_THRESHOLD,
-            Some(v) => usize::try_from(v)
-                .map_err(|_| anyhow::anyhow!("memcpy: parallel_threshold {v} is too large"))?,
-        };
-    Ok(Arc::new(MemcpyTransport::new(threads, parallel_threshold)))
+    let c: MemcpyConfig = parse_settings("memcpy transport", table)?;
+    if !(1..=MAX_THREADS).contains(&c.threads) {
+        anyhow::bail!(
+            "memcpy transport: threads must be an integer from 1 to {MAX_THREADS}, got {}",
+            c.threads
+        );
+    }
+    Ok(Arc::new(MemcpyTransport::new(
+        c.threads,
+        c.parallel_threshold,
+    )))
 }
 
 /// One copy with its direction resolved: `len` bytes from `src` to `dst` (addresses).

@@ -12,9 +12,10 @@ use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::stat::{fstat, SFlag};
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier, PayloadScheme,
-    Registrar, RegistrarError, RegistrarTraits, Registration, RuntimeContext,
+    parse_settings, ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier,
+    PayloadScheme, Registrar, RegistrarError, RegistrarTraits, Registration, RuntimeContext,
 };
+use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
 
 /// How long an import waits for the memfd on the side channel unless `fd_timeout_secs` says
@@ -58,43 +59,42 @@ impl HostMemfdRegistrar {
     }
 }
 
-/// Builds the registrar from its pipeline table (`fd_timeout_secs`, `require_shrink_seal`).
+/// A `host-memfd` registrar's settings: what its `[[registrar]]` table deserialises into.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HostMemfdConfig {
+    /// Seconds an import waits for its memfd on the side channel, 0 to 3600 (fractions
+    /// allowed).
+    pub fd_timeout_secs: f64,
+    /// Refuse memfds that cannot be sealed against shrinking.
+    pub require_shrink_seal: bool,
+}
+
+impl Default for HostMemfdConfig {
+    fn default() -> Self {
+        Self {
+            fd_timeout_secs: DEFAULT_FD_TIMEOUT.as_secs_f64(),
+            require_shrink_seal: false,
+        }
+    }
+}
+
+/// Builds the registrar from its pipeline table ([`HostMemfdConfig`]).
 pub(crate) fn build(
     table: &toml::Table,
     ctx: &RuntimeContext,
 ) -> anyhow::Result<Arc<dyn Registrar>> {
-    crate::reject_unknown_keys(
-        "host-memfd",
-        table,
-        &["fd_timeout_secs", "require_shrink_seal"],
-    )?;
-    let fd_timeout = match table.get("fd_timeout_secs") {
-        None => DEFAULT_FD_TIMEOUT,
-        Some(v) => {
-            let secs = match v {
-                toml::Value::Integer(i) => *i as f64,
-                toml::Value::Float(f) => *f,
-                other => anyhow::bail!(
-                    "host-memfd: fd_timeout_secs must be a number of seconds, got {other}"
-                ),
-            };
-            if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
-                anyhow::bail!("host-memfd: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}");
-            }
-            Duration::from_secs_f64(secs)
-        }
-    };
-    let require_shrink_seal = match table.get("require_shrink_seal") {
-        None => false,
-        Some(toml::Value::Boolean(b)) => *b,
-        Some(other) => {
-            anyhow::bail!("host-memfd: require_shrink_seal must be true or false, got {other}")
-        }
-    };
+    let c: HostMemfdConfig = parse_settings("host-memfd registrar", table)?;
+    let secs = c.fd_timeout_secs;
+    if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
+        anyhow::bail!(
+            "host-memfd registrar: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}"
+        );
+    }
     Ok(Arc::new(HostMemfdRegistrar::new(
         ctx.fd_channel.clone(),
-        fd_timeout,
-        require_shrink_seal,
+        Duration::from_secs_f64(secs),
+        c.require_shrink_seal,
     )))
 }
 
