@@ -75,10 +75,17 @@ async fn save_tagged(w: &mut Worker, tag: &str, first: usize, n: usize) -> Vec<V
     hs
 }
 
-/// Fills DRAM past its capacity so that the blocks saved first are evicted (and demoted).
-async fn push_out(w: &mut Worker, dram_blocks: usize) {
+/// Fills DRAM past its capacity so that the blocks saved first are evicted (and demoted),
+/// letting write-behind catch up after each save (at most 5 s), as it does between the RPCs
+/// of a real engine.
+async fn push_out(srv: &TestServer, w: &mut Worker, dram_blocks: usize) {
+    let threshold = dram_blocks as u64 * BLOCK * 3 / 4;
     for round in 0..(dram_blocks / 8 + 1) {
         save_tagged(w, &format!("filler-{round}"), 8, 8).await;
+        let deadline = Instant::now() + Duration::from_secs(5);
+        while srv.handle.engine.index().unwritten_bytes() > threshold && Instant::now() < deadline {
+            tokio::time::sleep(Duration::from_millis(2)).await;
+        }
     }
 }
 
@@ -115,7 +122,7 @@ async fn demoted_blocks_are_promoted_on_query_with_exact_bytes() {
     let mut events = srv.handle.engine.store().subscribe();
     let mut w = Worker::register(&srv, "tt", "ns", SHAPE, 0, 1, 0).await;
     let hs = save_tagged(&mut w, "first", 0, 8).await;
-    push_out(&mut w, 32).await;
+    push_out(&srv, &mut w, 32).await;
     srv.handle.engine.flush_tiers().await;
     let m = srv.handle.engine.metrics().render();
     assert!(
@@ -308,7 +315,7 @@ async fn falls_through_to_the_next_tier_and_times_out_to_what_is_resident() {
     let srv = start("", 32, lower).await;
     let mut w = Worker::register(&srv, "ft", "ns", SHAPE, 0, 1, 0).await;
     let hs = save_tagged(&mut w, "ladder", 0, 8).await;
-    push_out(&mut w, 32).await;
+    push_out(&srv, &mut w, 32).await;
     srv.handle.engine.flush_tiers().await;
     for b in 0..8 {
         w.kv.poison(b, 0x11);
