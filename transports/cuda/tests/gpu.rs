@@ -1,6 +1,7 @@
-//! GPU tests of the `cuda` transport and the `cuda-ipc` registrar. Opt-in: they run only with
-//! `PEGAFLOW_GPU_TESTS=1` on a machine with a CUDA GPU, and pass trivially (printing why)
-//! otherwise, so CI without a GPU stays green.
+//! GPU tests of the `cuda` transport and the `cuda-ipc` registrar. Opt-in: every test is
+//! `#[ignore]`d (shown as ignored where there is no GPU); run them with `PEGAFLOW_GPU_TESTS=1`
+//! and `-- --include-ignored` on a machine with a CUDA GPU (without the variable they print
+//! why and return).
 //!
 //! The IPC test needs a second process (CUDA refuses to open a handle exported by the same
 //! process): it re-executes this test binary, running only `ipc_export_child` with
@@ -163,6 +164,7 @@ fn roundtrip(f: &Fixture, ops: &[CopyOp], mode: TransferMode, expect: CopyPath, 
 }
 
 #[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn transport_roundtrips_byte_exact_on_every_path() {
     if !gpu_tests() {
         return;
@@ -213,6 +215,7 @@ fn transport_roundtrips_byte_exact_on_every_path() {
 }
 
 #[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn unpinned_host_memory_takes_the_pageable_safe_path() {
     if !gpu_tests() {
         return;
@@ -268,6 +271,7 @@ fn pattern(i: usize) -> u8 {
 
 /// The child half of the IPC test: a no-op unless re-executed by the parent.
 #[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn ipc_export_child() {
     if std::env::var("PEGAFLOW_IPC_CHILD").as_deref() != Ok("1") {
         return;
@@ -332,6 +336,7 @@ fn wait_mappings(n: usize) {
 }
 
 #[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn ipc_registrar_maps_another_process_allocation() {
     if !gpu_tests() {
         return;
@@ -340,6 +345,7 @@ fn ipc_registrar_maps_another_process_allocation() {
     let mut child = Command::new(exe)
         .args([
             "--exact",
+            "--include-ignored",
             "ipc_export_child",
             "--nocapture",
             "--test-threads=1",
@@ -467,6 +473,7 @@ fn ipc_registrar_maps_another_process_allocation() {
 }
 
 #[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn ipc_open_of_an_own_handle_fails_cleanly() {
     if !gpu_tests() {
         return;
