@@ -57,16 +57,34 @@ impl MeteredTier {
         Self { inner, ctx }
     }
 
-    fn record(&self, op: &str, outcome: &str, t0: Instant, bytes: u64) {
+    /// One batch of `op` (`put` or `get`): each block's outcome, the batch's duration (as
+    /// `<op>_batch`) and the bytes of the blocks that succeeded.
+    fn record_batch(&self, op: &str, t0: Instant, lens: &[u64], results: &[Result<(), TierError>]) {
+        let k = self.inner.kind();
+        let m = &self.ctx.metrics;
+        for r in results {
+            m.tier_ops.with_label_values(&[k, op, outcome(r)]).inc();
+        }
+        let bytes: u64 = results
+            .iter()
+            .zip(lens)
+            .filter(|(r, _)| r.is_ok())
+            .map(|(_, l)| l)
+            .sum();
+        self.record(&format!("{op}_batch"), "ok", t0);
+        if bytes > 0 {
+            m.tier_op_bytes.with_label_values(&[k, op]).inc_by(bytes);
+        }
+    }
+
+    /// One call of `op`: its outcome and duration.
+    fn record(&self, op: &str, outcome: &str, t0: Instant) {
         let m = &self.ctx.metrics;
         let k = self.inner.kind();
         m.tier_ops.with_label_values(&[k, op, outcome]).inc();
         m.tier_op_duration
             .with_label_values(&[k, op])
             .observe(t0.elapsed().as_secs_f64());
-        if bytes > 0 {
-            m.tier_op_bytes.with_label_values(&[k, op]).inc_by(bytes);
-        }
     }
 }
 
@@ -87,79 +105,39 @@ impl Tier for MeteredTier {
     async fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<BlockShape>, TierError> {
         let t0 = Instant::now();
         let r = self.inner.lookup(keys).await;
-        self.record("lookup", outcome(&r), t0, 0);
+        self.record("lookup", outcome(&r), t0);
         r
     }
     async fn put(&self, blocks: Vec<TierPut>) -> Vec<Result<(), TierError>> {
         let t0 = Instant::now();
         let lens: Vec<u64> = blocks.iter().map(|b| b.block.len_bytes()).collect();
         let r = self.inner.put(blocks).await;
-        let bytes = r
-            .iter()
-            .zip(&lens)
-            .filter(|(r, _)| r.is_ok())
-            .map(|(_, l)| l)
-            .sum();
-        for res in &r {
-            self.ctx
-                .metrics
-                .tier_ops
-                .with_label_values(&[self.inner.kind(), "put", outcome(res)])
-                .inc();
-        }
-        self.record("put_batch", "ok", t0, 0);
-        if bytes > 0 {
-            self.ctx
-                .metrics
-                .tier_op_bytes
-                .with_label_values(&[self.inner.kind(), "put"])
-                .inc_by(bytes);
-        }
+        self.record_batch("put", t0, &lens, &r);
         r
     }
     async fn get(&self, reads: Vec<TierGet>) -> Vec<Result<(), TierError>> {
         let t0 = Instant::now();
         let lens: Vec<u64> = reads.iter().map(|g| g.shape.len_bytes()).collect();
         let r = self.inner.get(reads).await;
-        let bytes = r
-            .iter()
-            .zip(&lens)
-            .filter(|(r, _)| r.is_ok())
-            .map(|(_, l)| l)
-            .sum();
-        for res in &r {
-            self.ctx
-                .metrics
-                .tier_ops
-                .with_label_values(&[self.inner.kind(), "get", outcome(res)])
-                .inc();
-        }
-        self.record("get_batch", "ok", t0, 0);
-        if bytes > 0 {
-            self.ctx
-                .metrics
-                .tier_op_bytes
-                .with_label_values(&[self.inner.kind(), "get"])
-                .inc_by(bytes);
-        }
+        self.record_batch("get", t0, &lens, &r);
         r
     }
     async fn remove(&self, keys: &[BlockKey]) -> Result<u64, TierError> {
         let t0 = Instant::now();
         let r = self.inner.remove(keys).await;
-        self.record("remove", outcome(&r), t0, 0);
+        self.record("remove", outcome(&r), t0);
         r
     }
     async fn flush(&self) -> Result<(), TierError> {
         let t0 = Instant::now();
         let r = self.inner.flush().await;
-        self.record("flush", outcome(&r), t0, 0);
+        self.record("flush", outcome(&r), t0);
         r
     }
     async fn recover(&self) -> Result<Recovered, TierError> {
         let t0 = Instant::now();
         let r = self.inner.recover().await;
-        self.record("recover", outcome(&r), t0, 0);
+        self.record("recover", outcome(&r), t0);
         r
     }
 }
