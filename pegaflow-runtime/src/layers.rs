@@ -19,7 +19,6 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use prometheus::{HistogramOpts, HistogramVec, IntCounterVec, Opts};
 use serde::{Deserialize, Serialize};
 
 use crate::block::{BlockKey, BlockShape};
@@ -142,59 +141,10 @@ impl Tier for MeteredTier {
     }
 }
 
-/// Transport families of the `metrics` layer, registered once per registry.
-struct TransportFamilies {
-    batches: IntCounterVec,
-    bytes: IntCounterVec,
-    duration: HistogramVec,
-}
-
-fn transport_families(ctx: &LayerContext) -> anyhow::Result<Arc<TransportFamilies>> {
-    static FAMILIES: Mutex<Vec<(usize, Arc<TransportFamilies>)>> = Mutex::new(Vec::new());
-    let key = Arc::as_ptr(&ctx.metrics) as usize;
-    let mut all = FAMILIES.lock();
-    if let Some((_, f)) = all.iter().find(|(k, _)| *k == key) {
-        return Ok(f.clone());
-    }
-    let batches = IntCounterVec::new(
-        Opts::new(
-            "pegaflow_transport_batches_total",
-            "Copy batches by transport, direction and outcome (metrics layer)",
-        ),
-        &["transport", "direction", "outcome"],
-    )?;
-    let bytes = IntCounterVec::new(
-        Opts::new(
-            "pegaflow_transport_bytes_total",
-            "Bytes moved by successful copy batches (metrics layer)",
-        ),
-        &["transport", "direction"],
-    )?;
-    let duration = HistogramVec::new(
-        HistogramOpts::new(
-            "pegaflow_transport_batch_duration_seconds",
-            "Copy batch duration (metrics layer)",
-        )
-        .buckets(prometheus::exponential_buckets(1e-5, 4.0, 12)?),
-        &["transport", "direction"],
-    )?;
-    let r = ctx.metrics.registry();
-    r.register(Box::new(batches.clone()))?;
-    r.register(Box::new(bytes.clone()))?;
-    r.register(Box::new(duration.clone()))?;
-    let f = Arc::new(TransportFamilies {
-        batches,
-        bytes,
-        duration,
-    });
-    all.push((key, f.clone()));
-    Ok(f)
-}
-
 /// The `metrics` layer around a transport.
 pub struct MeteredTransport {
     inner: Arc<dyn Transport>,
-    families: Arc<TransportFamilies>,
+    ctx: LayerContext,
 }
 
 #[async_trait]
@@ -217,15 +167,15 @@ impl Transport for MeteredTransport {
         let t0 = Instant::now();
         let r = self.inner.copy(batch).await;
         let k = self.inner.kind();
-        let f = &self.families;
-        f.batches
+        let m = &self.ctx.metrics;
+        m.transport_batches
             .with_label_values(&[k, dir, if r.is_ok() { "ok" } else { "failed" }])
             .inc();
-        f.duration
+        m.transport_batch_duration
             .with_label_values(&[k, dir])
             .observe(t0.elapsed().as_secs_f64());
         if r.is_ok() {
-            f.bytes.with_label_values(&[k, dir]).inc_by(bytes);
+            m.transport_bytes.with_label_values(&[k, dir]).inc_by(bytes);
         }
         r
     }
@@ -248,7 +198,7 @@ fn metrics_transport(
     let _: MetricsLayerConfig = parse_settings("metrics layer", t)?;
     Ok(Arc::new(MeteredTransport {
         inner,
-        families: transport_families(ctx)?,
+        ctx: ctx.clone(),
     }))
 }
 

@@ -94,6 +94,13 @@ pub struct Metrics {
     pub tier_op_bytes: IntCounterVec,
     /// Bytes held by each lower tier (this server).
     pub tier_used_bytes: IntGaugeVec,
+    /// Copy batches of a transport seen by its `metrics` layer, by transport, direction and
+    /// outcome.
+    pub transport_batches: IntCounterVec,
+    /// Bytes moved by a transport's successful batches (its `metrics` layer).
+    pub transport_bytes: IntCounterVec,
+    /// Duration of a transport's batches (its `metrics` layer).
+    pub transport_batch_duration: HistogramVec,
     /// Blocks an admission layer kept out of a tier (PegaFlow's name).
     pub cache_block_admission_rejections: IntCounter,
     /// Index events lost because a subscriber lagged (this server).
@@ -306,6 +313,28 @@ impl Metrics {
             tier_used_bytes: reg!(IntGaugeVec::new(
                 Opts::new("pegaflow_tier_used_bytes", "Bytes held by each lower tier"),
                 &["tier"]
+            )),
+            transport_batches: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_transport_batches_total",
+                    "Copy batches by transport, direction and outcome (metrics layer)"
+                ),
+                &["transport", "direction", "outcome"]
+            )),
+            transport_bytes: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_transport_bytes_total",
+                    "Bytes moved by successful copy batches (metrics layer)"
+                ),
+                &["transport", "direction"]
+            )),
+            transport_batch_duration: reg!(HistogramVec::new(
+                prometheus::HistogramOpts::new(
+                    "pegaflow_transport_batch_duration_seconds",
+                    "Copy batch duration (metrics layer)"
+                )
+                .buckets(exp_buckets(1e-5, 4.0, 12)),
+                &["transport", "direction"]
             )),
             cache_block_admission_rejections: reg!(c(
                 "pegaflow_cache_block_admission_rejections_total",

@@ -80,6 +80,10 @@ impl TierStack {
         req_id: &str,
         hashes: &[Vec<u8>],
     ) -> PrefixAnswer {
+        if self.lower.is_empty() {
+            // DRAM only: no task can exist, so no task key (a digest and an allocation) either.
+            return PrefixAnswer::Ready(self.dram_prefix(namespace, 0, hashes));
+        }
         let key: TaskKey = (namespace.clone(), req_id.to_owned(), digest(hashes));
         let existing = self.promotions.tasks.lock().get(&key).cloned();
         if let Some(t) = existing {
@@ -93,7 +97,7 @@ impl TierStack {
         }
         let hits = self.dram_prefix(namespace, 0, hashes);
         let n = hits.len();
-        if n == hashes.len() || self.lower.is_empty() {
+        if n == hashes.len() {
             return PrefixAnswer::Ready(hits);
         }
         if self.promotions.len() >= self.config.max_promotions {
