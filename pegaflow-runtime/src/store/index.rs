@@ -8,7 +8,7 @@
 //! across its whole hash list. Recency is a global counter stamped on every touch; eviction
 //! takes the smallest stamp among evictable entries of all shards, so the order is exact LRU.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, BTreeSet};
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
@@ -31,6 +31,9 @@ struct Entry {
 struct Shard {
     map: HashMap<BlockKey, Entry>,
     lru: BTreeMap<u64, BlockKey>,
+    /// Stamps of the entries not yet written below DRAM (a subset of `lru`'s keys), so that
+    /// write-behind finds the oldest of them without walking past written ones.
+    unwritten: BTreeSet<u64>,
 }
 
 /// What an eviction removed.
@@ -101,6 +104,10 @@ impl BlockIndex {
         } else {
             s.lru.insert(stamp, k.clone());
         }
+        if !e.written_below {
+            s.unwritten.remove(&e.stamp);
+            s.unwritten.insert(stamp);
+        }
         e.stamp = stamp;
         Some(e.block.clone())
     }
@@ -133,6 +140,9 @@ impl BlockIndex {
         let stamp = self.tick();
         let fp = block.footprint;
         s.lru.insert(stamp, key.clone());
+        if !written_below {
+            s.unwritten.insert(stamp);
+        }
         s.map.insert(
             key,
             Entry {
@@ -183,6 +193,7 @@ impl BlockIndex {
                 .fetch_sub(e.block.footprint, Ordering::Relaxed);
             self.resident_blocks.fetch_sub(1, Ordering::Relaxed);
             if !e.written_below {
+                s.unwritten.remove(&stamp);
                 self.unwritten_bytes
                     .fetch_sub(e.block.footprint, Ordering::Relaxed);
             }
@@ -201,6 +212,7 @@ impl BlockIndex {
         for sh in &self.shards {
             let mut s = sh.lock();
             s.lru.clear();
+            s.unwritten.clear();
             for (k, e) in s.map.drain() {
                 out.push((k, e.block));
             }
@@ -225,13 +237,13 @@ impl BlockIndex {
         for sh in &self.shards {
             let s = sh.lock();
             let mut taken = 0;
-            for (&stamp, key) in s.lru.iter() {
+            for stamp in s.unwritten.iter() {
                 if taken == max {
                     break;
                 }
-                let e = &s.map[key];
-                if !e.written_below && key.group == group {
-                    cands.push((stamp, key.clone(), e.block.clone()));
+                let key = &s.lru[stamp];
+                if key.group == group {
+                    cands.push((*stamp, key.clone(), s.map[key].block.clone()));
                     taken += 1;
                 }
             }
@@ -246,10 +258,12 @@ impl BlockIndex {
     pub fn mark_written_below(&self, key: &BlockKey) -> bool {
         let kr = key.as_ref();
         let mut s = self.shard(&kr).lock();
+        let s = &mut *s;
         match s.map.get_mut(&kr) {
             Some(e) => {
                 if !e.written_below {
                     e.written_below = true;
+                    s.unwritten.remove(&e.stamp);
                     self.unwritten_bytes
                         .fetch_sub(e.block.footprint, Ordering::Relaxed);
                 }
@@ -351,6 +365,32 @@ mod tests {
             hash: &[1]
         }));
         drop(held);
+    }
+
+    #[test]
+    fn oldest_unwritten_follows_recency_and_skips_written_blocks() {
+        let ix = BlockIndex::new();
+        for h in 0..4 {
+            assert!(ix.insert(key("a", h), block(10)));
+        }
+        ix.get_touch(KeyRef {
+            namespace: "a",
+            group: 0,
+            hash: &[0],
+        });
+        assert!(ix.mark_written_below(&key("a", 1)));
+        let order: Vec<u8> = ix
+            .oldest_unwritten(0, 8)
+            .into_iter()
+            .map(|(k, _)| k.hash[0])
+            .collect();
+        assert_eq!(order, vec![2, 3, 0]);
+        assert_eq!(ix.unwritten_bytes(), 30);
+        assert_eq!(ix.oldest_unwritten(0, 1).len(), 1);
+        assert!(ix.oldest_unwritten(1, 8).is_empty());
+        while ix.evict_lru().is_some() {}
+        assert_eq!(ix.unwritten_bytes(), 0);
+        assert!(ix.oldest_unwritten(0, 8).is_empty());
     }
 
     #[test]
