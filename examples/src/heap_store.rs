@@ -140,6 +140,7 @@ impl Tier for HeapStore {
             remote: false,
             read_bytes_per_sec: self.config.read_bytes_per_sec,
             write_bytes_per_sec: self.config.write_bytes_per_sec,
+            write_through: false,
         }
     }
 

@@ -371,9 +371,6 @@ pub struct Flags {
     /// Typical block size hint for the allocator, in bytes (must be > 0).
     #[arg(long, value_name = "BYTES", value_parser = parse_size_arg)]
     pub hint_value_size: Option<u64>,
-    /// Back the pinned pool with huge pages.
-    #[arg(long)]
-    pub use_hugepages: bool,
     /// Admission before writes to tiers below DRAM: adds the `admission` layer (a block is
     /// written only on its second sighting) to every lower tier of the pipeline. Needs a
     /// tier below DRAM.
@@ -397,42 +394,16 @@ pub struct Flags {
     /// Log level: error, warn, info, debug, trace, or a tracing filter. [default: info]
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
-    /// SSD cache file or directory; repeat for several paths. Enables the SSD tier.
-    #[arg(long, value_name = "PATH", num_args = 1..)]
-    pub ssd_cache_path: Vec<PathBuf>,
-    /// SSD tier capacity. [default: 512gb]
-    #[arg(long, value_name = "SIZE", value_parser = parse_size_arg)]
-    pub ssd_cache_capacity: Option<u64>,
-    /// SSD shard files per path. [default: 1]
-    #[arg(long, value_name = "N")]
-    pub ssd_cache_shards: Option<u32>,
-    /// SSD write queue depth, in batches. [default: 8]
-    #[arg(long, value_name = "N")]
-    pub ssd_write_queue_depth: Option<usize>,
-    /// SSD prefetch queue depth, in batches. [default: 2]
-    #[arg(long, value_name = "N")]
-    pub ssd_prefetch_queue_depth: Option<usize>,
-    /// Concurrent SSD block writes. [default: 2]
-    #[arg(long, value_name = "N")]
-    pub ssd_write_inflight: Option<usize>,
-    /// Concurrent SSD block reads. [default: 16]
-    #[arg(long, value_name = "N")]
-    pub ssd_prefetch_inflight: Option<usize>,
-    /// Blocks in flight from lower tiers at once. [default: 800]
-    #[arg(long, value_name = "N")]
-    pub max_prefetch_blocks: Option<usize>,
+    /// Upper bound on blocks one promotion reads from the tiers below DRAM (the `[store]`
+    /// setting `max_promote_blocks`). [default: 800]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_prefetch_blocks: Option<u64>,
     /// Trace sampling rate, 0..=1. [default: 1.0]
     #[arg(long, value_name = "RATE")]
     pub trace_sample_rate: Option<f64>,
     /// One host allocation per block instead of one per batch.
     #[arg(long)]
     pub blockwise_alloc: bool,
-    /// RDMA NICs (comma or space separated). Enables cross-node fetch with --metaserver-addr.
-    #[arg(long, value_name = "NICS", num_args = 1..)]
-    pub nics: Vec<String>,
-    /// RC queue pairs per (local NIC, remote NIC). [default: 2]
-    #[arg(long, value_name = "N")]
-    pub qps_per_peer: Option<usize>,
     /// MetaServer URL (e.g. http://host:50056) for the cross-node block directory.
     #[arg(long, value_name = "URL")]
     pub metaserver_addr: Option<String>,
@@ -445,9 +416,6 @@ pub struct Flags {
     /// HyperLogLog bucket bits (4..=18). [default: 16]
     #[arg(long, value_name = "BITS")]
     pub metric_hll_bucket_bits: Option<u8>,
-    /// Seconds before an unreleased cross-node transfer lock expires. [default: 120]
-    #[arg(long, value_name = "SECS")]
-    pub transfer_lock_timeout_secs: Option<u64>,
     /// Unix socket of the fd side channel for native (memfd / CUDA VMM) registrations.
     /// Empty disables it. [default: disabled]
     #[arg(long, value_name = "PATH")]
@@ -480,7 +448,31 @@ pub struct Cli {
     pub flags: Flags,
     /// The factory-declared flags that were given, in declaration order.
     pub factory_flags: Vec<GivenFlag>,
+    /// PegaFlow flags given that no linked factory declares (start-up refuses them, naming
+    /// what each needs).
+    pub placeholders: Vec<&'static str>,
 }
+
+/// PegaFlow's flags of parts a backend brings (an SSD tier, a cross-node transport, a pool
+/// on huge pages), with what each needs. A flag no linked factory declares stays on the
+/// command line as a placeholder, so that an existing deployment script gets "this flag
+/// needs X, and none is linked" rather than "unexpected argument"; a linked factory that
+/// declares the flag ([`crate::plugin::FactoryFlag`]) takes the name over.
+const PLACEHOLDER_FLAGS: &[(&str, &str)] = &[
+    ("ssd-cache-path", LOWER_TIER),
+    ("ssd-cache-capacity", LOWER_TIER),
+    ("ssd-cache-shards", LOWER_TIER),
+    ("ssd-write-queue-depth", LOWER_TIER),
+    ("ssd-prefetch-queue-depth", LOWER_TIER),
+    ("ssd-write-inflight", LOWER_TIER),
+    ("ssd-prefetch-inflight", LOWER_TIER),
+    ("nics", TRANSPORT),
+    ("qps-per-peer", TRANSPORT),
+    ("transfer-lock-timeout-secs", TRANSPORT),
+    ("use-hugepages", "a landing tier that declares this flag"),
+];
+const LOWER_TIER: &str = "an SSD tier (a tier below the landing tier that declares this flag)";
+const TRANSPORT: &str = "a cross-node transport that declares this flag";
 
 fn with_factory_flags(mut cmd: clap::Command) -> clap::Command {
     for d in declared_flags() {
@@ -500,23 +492,59 @@ fn with_factory_flags(mut cmd: clap::Command) -> clap::Command {
             .help(f.help)
             .value_name(f.value_name)
             .value_parser(move |text: &str| value.parse(text));
-        if value == FlagValue::Bool {
-            arg = arg.num_args(0..=1).default_missing_value("true");
+        match value {
+            FlagValue::Bool => arg = arg.num_args(0..=1).default_missing_value("true"),
+            FlagValue::TextList => arg = arg.num_args(1..).action(clap::ArgAction::Append),
+            _ => {}
         }
         cmd = cmd.arg(arg);
     }
+    for (long, needs) in PLACEHOLDER_FLAGS {
+        if cmd.get_arguments().any(|a| a.get_long() == Some(long)) {
+            continue;
+        }
+        cmd = cmd.arg(
+            clap::Arg::new(*long)
+                .long(*long)
+                .help(format!("PegaFlow's flag; needs {needs} (none is linked)"))
+                .value_name("VALUE")
+                .num_args(0..)
+                .action(clap::ArgAction::Append),
+        );
+    }
     cmd
+}
+
+fn given_placeholders(m: &clap::ArgMatches) -> Vec<&'static str> {
+    PLACEHOLDER_FLAGS
+        .iter()
+        .filter(|(long, _)| {
+            m.try_get_raw_occurrences(long)
+                .ok()
+                .flatten()
+                .is_some_and(|mut o| o.next().is_some())
+        })
+        .map(|(long, _)| *long)
+        .collect()
 }
 
 fn given_factory_flags(m: &clap::ArgMatches) -> Vec<GivenFlag> {
     declared_flags()
         .into_iter()
         .filter_map(|declared| {
-            let value = m.try_get_one::<toml::Value>(declared.flag.long).ok()??;
-            Some(GivenFlag {
-                declared,
-                value: value.clone(),
-            })
+            let value = if declared.flag.value == FlagValue::TextList {
+                let all: Vec<toml::Value> = m
+                    .try_get_many::<toml::Value>(declared.flag.long)
+                    .ok()??
+                    .cloned()
+                    .collect();
+                toml::Value::Array(all)
+            } else {
+                m.try_get_one::<toml::Value>(declared.flag.long)
+                    .ok()??
+                    .clone()
+            };
+            Some(GivenFlag { declared, value })
         })
         .collect()
 }
@@ -535,11 +563,13 @@ impl clap::FromArgMatches for Cli {
         Ok(Self {
             flags: Flags::from_arg_matches(m)?,
             factory_flags: given_factory_flags(m),
+            placeholders: given_placeholders(m),
         })
     }
     fn update_from_arg_matches(&mut self, m: &clap::ArgMatches) -> Result<(), clap::Error> {
         self.flags.update_from_arg_matches(m)?;
         self.factory_flags.extend(given_factory_flags(m));
+        self.placeholders.extend(given_placeholders(m));
         Ok(())
     }
 }
@@ -603,6 +633,16 @@ impl Cli {
             None => PipelineConfig::embedded_default(),
         };
         a.check_unsupported()?;
+        if let Some(long) = self.placeholders.first() {
+            let needs = PLACEHOLDER_FLAGS
+                .iter()
+                .find(|(l, _)| l == long)
+                .map_or("a backend", |(_, n)| n);
+            bail!("--{long} needs {needs}, and none is linked into this binary");
+        }
+        if let Some(n) = a.max_prefetch_blocks {
+            p.store.max_promote_blocks = n as usize;
+        }
         if let Some(v) = &a.addr {
             p.server.addr = v.clone();
         }
@@ -641,6 +681,16 @@ impl Cli {
         }
         for g in &self.factory_flags {
             let d = &g.declared;
+            if d.flag.adds_entry
+                && d.section == Section::Tier
+                && !p.tiers.iter().any(|t| t.kind == d.kind)
+            {
+                p.tiers.push(PluginConfig {
+                    kind: d.kind.into(),
+                    layers: Vec::new(),
+                    settings: toml::Table::new(),
+                });
+            }
             let targets = flag_targets(&mut p, d);
             if targets.is_empty() {
                 bail!(
@@ -708,63 +758,9 @@ impl Flags {
     fn check_unsupported(&self) -> anyhow::Result<()> {
         // A backend brings a flag by declaring it (`FactoryFlag`); these are PegaFlow's flags
         // of backends no in-tree crate provides yet.
-        const LOWER_TIER: &str = "a tier below the landing tier that declares this flag";
-        const TRANSPORT: &str = "a cross-node transport that declares this flag";
         const METASERVER: &str = "the MetaServer client (cross-node directory)";
         const OTLP: &str = "an OTLP exporter (scrape /metrics instead)";
         let unsupported = [
-            (
-                !self.ssd_cache_path.is_empty(),
-                "--ssd-cache-path",
-                LOWER_TIER,
-            ),
-            (
-                self.ssd_cache_capacity.is_some(),
-                "--ssd-cache-capacity",
-                LOWER_TIER,
-            ),
-            (
-                self.ssd_cache_shards.is_some(),
-                "--ssd-cache-shards",
-                LOWER_TIER,
-            ),
-            (
-                self.ssd_write_queue_depth.is_some(),
-                "--ssd-write-queue-depth",
-                LOWER_TIER,
-            ),
-            (
-                self.ssd_prefetch_queue_depth.is_some(),
-                "--ssd-prefetch-queue-depth",
-                LOWER_TIER,
-            ),
-            (
-                self.ssd_write_inflight.is_some(),
-                "--ssd-write-inflight",
-                LOWER_TIER,
-            ),
-            (
-                self.ssd_prefetch_inflight.is_some(),
-                "--ssd-prefetch-inflight",
-                LOWER_TIER,
-            ),
-            (
-                self.max_prefetch_blocks.is_some(),
-                "--max-prefetch-blocks",
-                "a lower tier to prefetch from that declares this flag",
-            ),
-            (!self.nics.is_empty(), "--nics", TRANSPORT),
-            (self.qps_per_peer.is_some(), "--qps-per-peer", TRANSPORT),
-            (
-                self.transfer_lock_timeout_secs.is_some(),
-                "--transfer-lock-timeout-secs",
-                TRANSPORT,
-            ),
-            (
-                self.use_hugepages,
-                "--use-hugepages",
-                "a landing tier that declares this flag",
-            ),
             (
                 self.metaserver_addr.is_some(),
                 "--metaserver-addr",
@@ -855,6 +851,7 @@ mod tests {
                     help: "Test pool capacity",
                     setting: "capacity",
                     value: FlagValue::Size,
+                    adds_entry: false,
                 },
                 FactoryFlag {
                     long: "pool-shards",
@@ -862,6 +859,7 @@ mod tests {
                     help: "Test pool shards",
                     setting: "shards",
                     value: FlagValue::Integer { min: 1 },
+                    adds_entry: false,
                 },
             ],
             default_landing: true,
@@ -950,16 +948,21 @@ mod tests {
             .unwrap_err()
             .to_string();
         assert!(
-            e.contains(
-                "--ssd-cache-path needs a tier below the landing tier that declares this flag"
-            ),
+            e.contains("--ssd-cache-path needs an SSD tier")
+                && e.contains("none is linked into this binary"),
             "{e}"
         );
-        let e = Cli::parse_from(["pegaflow-server", "--max-prefetch-blocks", "800"])
+        // A placeholder takes any number of values (`--use-hugepages` alone, repeated paths).
+        let e = Cli::parse_from(["pegaflow-server", "--use-hugepages"])
             .pipeline()
             .unwrap_err()
             .to_string();
-        assert!(e.contains("lower tier"), "{e}");
+        assert!(e.contains("--use-hugepages needs a landing tier"), "{e}");
+        let p = Cli::parse_from(["pegaflow-server", "--max-prefetch-blocks", "64"])
+            .pipeline()
+            .unwrap();
+        assert_eq!(p.store.max_promote_blocks, 64);
+        assert!(Cli::try_parse_from(["pegaflow-server", "--max-prefetch-blocks", "0"]).is_err());
         let e = Cli::parse_from(["pegaflow-server", "--log-level", "=="])
             .pipeline()
             .unwrap_err()

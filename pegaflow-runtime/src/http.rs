@@ -12,10 +12,12 @@ use axum::{Json, Router};
 use serde::Deserialize;
 
 use crate::engine::Engine;
+use crate::health::HealthBoard;
 
 #[derive(Clone)]
 struct AppState {
     engine: Arc<Engine>,
+    health: HealthBoard,
 }
 
 #[derive(Deserialize)]
@@ -23,8 +25,8 @@ struct CleanupQuery {
     id: Option<String>,
 }
 
-async fn health() -> &'static str {
-    "ok"
+async fn health_page(State(s): State<AppState>) -> String {
+    s.health.render()
 }
 
 async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
@@ -75,15 +77,16 @@ async fn cleanup_memory(State(s): State<AppState>) -> axum::response::Response {
     }
 }
 
-/// The router; `/metrics` only when `enable_prometheus`.
-pub fn router(engine: Arc<Engine>, enable_prometheus: bool) -> Router {
+/// The router; `/metrics` only when `enable_prometheus`. `/health` renders `health`
+/// ([`HealthBoard::render`]: `ok`, PegaFlow's body, until a component reports).
+pub fn router(engine: Arc<Engine>, health: HealthBoard, enable_prometheus: bool) -> Router {
     let mut r = Router::new()
-        .route("/health", get(health))
+        .route("/health", get(health_page))
         .route("/instances", get(instances))
         .route("/instances/cleanup", post(cleanup_instances))
         .route("/cache/memory/cleanup", post(cleanup_memory));
     if enable_prometheus {
         r = r.route("/metrics", get(metrics));
     }
-    r.with_state(AppState { engine })
+    r.with_state(AppState { engine, health })
 }

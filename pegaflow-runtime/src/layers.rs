@@ -335,8 +335,10 @@ impl Tier for AdmissionTier {
     }
     async fn lookup(&self, keys: &[BlockKey]) -> Result<Vec<BlockShape>, TierError> {
         let r = self.inner.lookup(keys).await?;
-        // The first key the tier lacks was wanted: that counts as a sighting.
-        if let Some(k) = keys.get(r.len()) {
+        // Every key past the held prefix was wanted and missing: each counts as a sighting
+        // (a client queries a request's blocks before it saves them, so a block saved after
+        // a miss is admitted when it is demoted; one saved blindly waits for a second save).
+        for k in keys.iter().skip(r.len()) {
             self.sight(k);
         }
         Ok(r)

@@ -14,6 +14,7 @@ pub mod entry;
 pub mod error;
 pub mod fault;
 pub mod fd_channel;
+pub mod health;
 pub mod layers;
 pub mod metrics;
 pub mod plugin;

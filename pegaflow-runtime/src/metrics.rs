@@ -82,6 +82,9 @@ pub struct Metrics {
     /// Blocks promoted into host DRAM or not, by tier and outcome (`promoted`, `failed`,
     /// `missing`) (this server).
     pub tier_promotions: IntCounterVec,
+    /// Lower-tier lookups whose continuation stopped at a block of another slot layout than
+    /// the querying instance's (the layout guard), by tier (this server).
+    pub tier_layout_mismatches: IntCounterVec,
     /// QueryPrefetch answers by outcome (`ready`, `loading`) (this server).
     pub query_answers: IntCounterVec,
     /// Promotion tasks not yet collected (this server).
@@ -276,6 +279,13 @@ impl Metrics {
                     "Blocks promoted from a lower tier into host DRAM, by outcome"
                 ),
                 &["tier", "outcome"]
+            )),
+            tier_layout_mismatches: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_tier_layout_mismatches_total",
+                    "Lower-tier continuations cut at a block of another slot layout than the querying instance's"
+                ),
+                &["tier"]
             )),
             query_answers: reg!(IntCounterVec::new(
                 Opts::new(

@@ -125,6 +125,8 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         fd_channel: fd_channel.clone(),
         devices: pipeline.server.devices.clone(),
         index_events: Default::default(),
+        metrics: metrics.clone(),
+        health: Default::default(),
     };
     let built = build_pipeline(&pipeline, &ctx, &metrics)?;
     tracing::info!(
@@ -200,7 +202,11 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
     }
     {
         let stop = stop.clone();
-        let app = crate::http::router(engine.clone(), pipeline.server.enable_prometheus);
+        let app = crate::http::router(
+            engine.clone(),
+            ctx.health.clone(),
+            pipeline.server.enable_prometheus,
+        );
         tasks.push(tokio::spawn(async move {
             let r = axum::serve(http_listener, app)
                 .with_graceful_shutdown(async move { stop.notified().await })

@@ -129,6 +129,16 @@ impl Topology {
         Some(self.layers[layer].block_bytes)
     }
 
+    /// The shape of a complete block of `group`: every slot's bytes, in slot order. `None`
+    /// for an unknown group.
+    pub fn block_shape(&self, group: u32) -> Option<crate::block::BlockShape> {
+        let slots = self.groups.get(group as usize)?.total_slots;
+        let lens: Option<Vec<u64>> = (0..slots)
+            .map(|s| self.slot_bytes(group, s).map(|b| b as u64))
+            .collect();
+        lens.map(crate::block::BlockShape::new)
+    }
+
     /// Seals a topology from the workers (all `world_size` of them).
     pub fn seal(
         workers: &BTreeMap<i32, Arc<Worker>>,

@@ -39,9 +39,17 @@ impl Engine {
     /// Group 0: the longest cached prefix, through the tier stack (which answers Loading
     /// while it promotes a continuation from below DRAM); the hits are leased.
     async fn query_prefix(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+        // Blocks below DRAM of another slot layout (another model sharing the namespace, a
+        // record from an older deployment) are a miss for this instance.
+        let expect = inst
+            .state
+            .lock()
+            .topology
+            .as_ref()
+            .and_then(|t| t.block_shape(0));
         let hits = match self
             .store
-            .query_prefix(&inst.namespace, &req.req_id, &req.hashes)
+            .query_prefix(&inst.namespace, &req.req_id, &req.hashes, expect.as_ref())
             .await
         {
             PrefixAnswer::Ready(hits) => hits,

@@ -44,6 +44,11 @@ pub struct RuntimeContext {
     /// Index events (sealed, evicted, demoted, promoted) of this server's tier stack: a
     /// directory client subscribes here when it is built.
     pub index_events: crate::store::IndexEvents,
+    /// The server's metric families: a backend registers its own families in
+    /// `metrics.registry()` (served on `/metrics`) and may wrap itself in a runtime layer.
+    pub metrics: Arc<crate::metrics::Metrics>,
+    /// Component health shown on `/health` (an I/O engine chosen, a degraded directory).
+    pub health: crate::health::HealthBoard,
 }
 
 impl std::fmt::Debug for RuntimeContext {
@@ -171,6 +176,9 @@ pub enum FlagValue {
     Bool,
     /// Any text, stored as a string.
     Text,
+    /// Text, repeatable (`--flag a --flag b`, or `--flag a b`): the values are stored as an
+    /// array of strings, in the order given.
+    TextList,
 }
 
 impl FlagValue {
@@ -192,7 +200,7 @@ impl FlagValue {
                 "false" => Ok(toml::Value::Boolean(false)),
                 _ => Err("must be true or false".into()),
             },
-            FlagValue::Text => Ok(toml::Value::String(text.into())),
+            FlagValue::Text | FlagValue::TextList => Ok(toml::Value::String(text.into())),
         }
     }
 }
@@ -213,6 +221,10 @@ pub struct FactoryFlag {
     pub setting: &'static str,
     /// How the value is parsed.
     pub value: FlagValue,
+    /// Given while the pipeline has no entry of the factory's kind, the flag adds one (a
+    /// `[[tier]]` appended below the others, default settings) instead of failing: how
+    /// `--ssd-cache-path` turns the SSD tier on. Only tier flags may set it.
+    pub adds_entry: bool,
 }
 
 /// What a `[[tier]]` factory builds: the landing pool (host DRAM, the first entry) or a

@@ -34,6 +34,10 @@ pub struct TierCapabilities {
     pub read_bytes_per_sec: u64,
     /// Expected sustained write bandwidth in bytes per second (0 = unknown).
     pub write_bytes_per_sec: u64,
+    /// The tier asks to be offered every block as soon as it seals (write-through: the
+    /// stack's write-behind runs with no threshold), so that blocks still resident in DRAM
+    /// survive a restart of the server. Only the first lower tier's wish counts.
+    pub write_through: bool,
 }
 
 /// Why a tier operation failed.

@@ -310,8 +310,16 @@ impl TierStack {
         }
     }
 
-    /// Bytes of not-yet-written blocks above which write-behind runs.
+    /// Bytes of not-yet-written blocks above which write-behind runs: none when the first
+    /// lower tier asks for write-through.
     pub(crate) fn write_behind_bytes(&self) -> u64 {
+        if self
+            .lower
+            .first()
+            .is_some_and(|t| t.capabilities().write_through)
+        {
+            return 0;
+        }
         self.pool.capacity_bytes() / 100 * u64::from(self.config.write_behind_percent.min(100))
     }
 

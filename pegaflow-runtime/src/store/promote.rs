@@ -73,12 +73,15 @@ fn digest(hashes: &[Vec<u8>]) -> u64 {
 impl TierStack {
     /// The prefix of `hashes` (group 0 of `namespace`) for query `req_id`: Ready with the DRAM
     /// prefix when nothing below DRAM continues it (or a promotion for the same query has
-    /// ended), Loading while a promotion runs. Never starts I/O for a re-poll.
+    /// ended), Loading while a promotion runs. Never starts I/O for a re-poll. With
+    /// `expect`, a lower tier's continuation stops at the first block of another shape (the
+    /// layout guard: such a block is a miss for this instance).
     pub async fn query_prefix(
         self: &Arc<Self>,
         namespace: &Arc<str>,
         req_id: &str,
         hashes: &[Vec<u8>],
+        expect: Option<&BlockShape>,
     ) -> PrefixAnswer {
         if self.lower.is_empty() {
             // DRAM only: no task can exist, so no task key (a digest and an allocation) either.
@@ -114,7 +117,7 @@ impl TierStack {
             .collect();
         let timeout = Duration::from_millis(self.config.lookup_timeout_ms);
         for (ti, tier) in self.lower.iter().enumerate() {
-            let shapes = match tokio::time::timeout(timeout, tier.lookup(&rest)).await {
+            let mut shapes = match tokio::time::timeout(timeout, tier.lookup(&rest)).await {
                 Ok(Ok(s)) => s,
                 Ok(Err(e)) => {
                     tracing::debug!(tier = tier.kind(), error = %e, "lookup failed; next tier");
@@ -125,6 +128,15 @@ impl TierStack {
                     continue;
                 }
             };
+            if let Some(want) = expect {
+                if let Some(bad) = shapes.iter().position(|s| s != want) {
+                    self.metrics
+                        .tier_layout_mismatches
+                        .with_label_values(&[tier.kind()])
+                        .inc();
+                    shapes.truncate(bad);
+                }
+            }
             if shapes.is_empty() {
                 continue;
             }
@@ -146,8 +158,9 @@ impl TierStack {
             let stack = self.clone();
             let mut rest = rest;
             rest.truncate(shapes.len());
+            let expect = expect.cloned();
             tokio::spawn(async move {
-                stack.promote(ti, rest, shapes, &task).await;
+                stack.promote(ti, rest, shapes, &task, expect).await;
                 *task.finished.lock() = Some(Instant::now());
                 task.done.store(true, Ordering::Release);
             });
@@ -164,6 +177,7 @@ impl TierStack {
         keys: Vec<BlockKey>,
         shapes: Vec<BlockShape>,
         task: &Task,
+        expect: Option<BlockShape>,
     ) {
         let mut landed = 0usize;
         let mut shapes = Some(shapes);
@@ -177,7 +191,17 @@ impl TierStack {
             let shapes = match shapes.take() {
                 Some(s) => s,
                 None => match tier.lookup(todo).await {
-                    Ok(s) if !s.is_empty() => s,
+                    Ok(mut s) => {
+                        if let Some(want) = &expect {
+                            if let Some(bad) = s.iter().position(|x| x != want) {
+                                s.truncate(bad);
+                            }
+                        }
+                        if s.is_empty() {
+                            continue;
+                        }
+                        s
+                    }
                     _ => continue,
                 },
             };

@@ -274,6 +274,7 @@ inventory::submit! {
                 help: "Host-DRAM tier capacity; units kb, mb, gb, tb (binary). [default: 30gb]",
                 setting: "capacity",
                 value: FlagValue::Size,
+                adds_entry: false,
             },
             FactoryFlag {
                 long: "pool-shards",
@@ -281,6 +282,7 @@ inventory::submit! {
                 help: "Sub-pools of the DRAM tier, used round-robin. [default: 1]",
                 setting: "shards",
                 value: FlagValue::Integer { min: 1 },
+                adds_entry: false,
             },
         ],
         default_landing: true,
