@@ -4,6 +4,8 @@
 // Link the backends so their factories register (the linker may drop an unreferenced crate).
 #[cfg(feature = "dram")]
 use pegaflow_tier_dram as _;
+#[cfg(feature = "ssd")]
+use pegaflow_tier_ssd as _;
 #[cfg(any(feature = "cuda-13", feature = "cuda-12"))]
 use pegaflow_transport_cuda as _;
 #[cfg(feature = "shm")]

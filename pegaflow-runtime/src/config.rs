@@ -516,8 +516,10 @@ fn with_factory_flags(mut cmd: clap::Command) -> clap::Command {
 }
 
 fn given_placeholders(m: &clap::ArgMatches) -> Vec<&'static str> {
+    let declared: Vec<&str> = declared_flags().iter().map(|d| d.flag.long).collect();
     PLACEHOLDER_FLAGS
         .iter()
+        .filter(|(long, _)| !declared.contains(long))
         .filter(|(long, _)| {
             m.try_get_raw_occurrences(long)
                 .ok()

@@ -355,6 +355,12 @@ impl Tier for AdmissionTier {
             }
         }
         let rejected = slots.iter().filter(|s| s.is_none()).count() as u64;
+        if !admitted.is_empty() {
+            self.ctx
+                .metrics
+                .cache_block_admissions
+                .inc_by(admitted.len() as u64);
+        }
         if rejected > 0 {
             self.ctx
                 .metrics

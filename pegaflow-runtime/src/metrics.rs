@@ -106,6 +106,8 @@ pub struct Metrics {
     pub transport_batch_duration: HistogramVec,
     /// Blocks an admission layer kept out of a tier (PegaFlow's name).
     pub cache_block_admission_rejections: IntCounter,
+    /// Blocks an admission filter let through to its tier (this server).
+    pub cache_block_admissions: IntCounter,
     /// Index events lost because a subscriber lagged (this server).
     pub index_events_lagged: IntCounter,
 }
@@ -349,6 +351,10 @@ impl Metrics {
             cache_block_admission_rejections: reg!(c(
                 "pegaflow_cache_block_admission_rejections_total",
                 "Blocks an admission filter kept out of a tier"
+            )),
+            cache_block_admissions: reg!(c(
+                "pegaflow_cache_block_admissions_total",
+                "Blocks an admission filter let through to a tier"
             )),
             index_events_lagged: reg!(c(
                 "pegaflow_index_events_lagged_total",

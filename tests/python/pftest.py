@@ -130,7 +130,8 @@ class Server:
                     break
                 try:
                     status, body = http("GET", self.url("/health"), timeout=1.0)
-                    if status == 200 and body == "ok":
+                    # First line `ok`: a backend (an SSD tier) may add report lines.
+                    if status == 200 and body.split("\n", 1)[0] == "ok":
                         return self
                 except OSError:
                     pass

@@ -1,0 +1,482 @@
+//! One cache directory (or one cache file): its owner lock, superblock, geometry and segment
+//! slots. Blocking: opened at start, slot files opened and preallocated from blocking
+//! threads.
+
+use std::fs::File;
+use std::io::{self, Read, Seek, Write};
+use std::os::unix::fs::FileExt;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::Arc;
+
+use anyhow::{bail, Context};
+use parking_lot::Mutex;
+
+use crate::device;
+use crate::format::{align_up, Superblock};
+
+/// Where a store's segments live.
+#[derive(Debug)]
+pub enum Layout {
+    /// A directory: `superblock`, `lock`, `segment-NNNNNN.dat`.
+    Directory,
+    /// One file: the superblock in its first MiB, segment `i` at `base + i * segment_size`.
+    File {
+        /// The data file.
+        file: Arc<File>,
+        /// Offset of segment 0.
+        base: u64,
+    },
+}
+
+/// Bytes before segment 0 in a one-file store.
+pub const FILE_BASE: u64 = 1 << 20;
+
+/// One directory (or file) of the SSD tier.
+#[derive(Debug)]
+pub struct Dir {
+    /// The configured path.
+    pub path: PathBuf,
+    /// How segments are laid out.
+    pub layout: Layout,
+    /// Offset and length alignment, bytes.
+    pub align: u64,
+    /// Memory alignment of I/O buffers, bytes.
+    pub mem_align: u64,
+    /// Bytes per segment.
+    pub segment_size: u64,
+    /// Segment slots.
+    pub slots: u32,
+    /// The store's identity (from the superblock).
+    pub store_id: u64,
+    /// Whether data files are open with O_DIRECT.
+    pub direct: bool,
+    /// Where the alignment came from (`statx`, `sysfs`, ...).
+    pub align_source: &'static str,
+    files: Mutex<Vec<Option<Arc<File>>>>,
+    _lock: File,
+    /// I/O errors in a row.
+    pub errors: AtomicU32,
+    /// Out of service.
+    pub degraded: AtomicBool,
+}
+
+/// What opening a directory needs.
+#[derive(Debug, Clone, Copy)]
+pub struct DirOptions {
+    /// Bytes this directory may hold (before the free-space check).
+    pub capacity: u64,
+    /// Bytes per segment for a new store.
+    pub segment_size: u64,
+    /// Bytes to leave free on the filesystem (at most 5 % of it).
+    pub reserve: u64,
+    /// Open data files with O_DIRECT.
+    pub direct: bool,
+}
+
+fn lock_path(path: &Path, is_file: bool) -> PathBuf {
+    if is_file {
+        let mut p = path.as_os_str().to_owned();
+        p.push(".lock");
+        PathBuf::from(p)
+    } else {
+        path.join("lock")
+    }
+}
+
+/// Takes the owner lock (a second server on the same path fails here, naming the holder's
+/// pid when the lock file says it), then writes this process's pid into it.
+fn take_lock(path: &Path, is_file: bool) -> anyhow::Result<File> {
+    let lp = lock_path(path, is_file);
+    let mut f = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .create(true)
+        .truncate(false)
+        .open(&lp)
+        .with_context(|| format!("cannot open the SSD lock file {}", lp.display()))?;
+    if let Err(e) = device::lock_exclusive(&f) {
+        if e.kind() == io::ErrorKind::WouldBlock {
+            let mut s = String::new();
+            let _ = f.read_to_string(&mut s);
+            let holder = s
+                .split_whitespace()
+                .skip_while(|w| *w != "pid")
+                .nth(1)
+                .map(|p| format!(" (pid {p})"))
+                .unwrap_or_default();
+            bail!(
+                "SSD cache path {} is in use by another process{holder}: two servers cannot share one SSD directory; give each its own --ssd-cache-path",
+                path.display()
+            );
+        }
+        return Err(e).with_context(|| format!("cannot lock {}", lp.display()));
+    }
+    f.set_len(0)?;
+    f.seek(io::SeekFrom::Start(0))?;
+    writeln!(f, "pid {}", std::process::id())?;
+    Ok(f)
+}
+
+impl Dir {
+    /// Opens (creating when absent) the store at `path`: a directory, or an existing regular
+    /// file. Checks capacity against free space: the directory gets
+    /// `min(capacity, free + bytes it already holds − reserve)`, in whole segments.
+    ///
+    /// # Errors
+    /// The path is neither a directory nor a file, the lock is held, the superblock is not
+    /// ours, or no segment fits.
+    pub fn open(path: &Path, opts: DirOptions) -> anyhow::Result<Self> {
+        let is_file = match std::fs::metadata(path) {
+            Ok(m) if m.is_file() => true,
+            Ok(m) if m.is_dir() => false,
+            Ok(_) => bail!(
+                "SSD cache path {} is neither a directory nor a regular file",
+                path.display()
+            ),
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                std::fs::create_dir_all(path).with_context(|| {
+                    format!("cannot create the SSD cache directory {}", path.display())
+                })?;
+                false
+            }
+            Err(e) => {
+                return Err(e).with_context(|| format!("cannot stat {}", path.display()));
+            }
+        };
+        let lock = take_lock(path, is_file)?;
+        let fs_dir = if is_file {
+            path.parent().unwrap_or(Path::new("/")).to_path_buf()
+        } else {
+            path.to_path_buf()
+        };
+        let (align, mem_align, align_source) = device::dio_alignment(&fs_dir);
+        let (free, fs_size) = device::space(&fs_dir)
+            .with_context(|| format!("cannot read free space of {}", fs_dir.display()))?;
+        let reserve = opts.reserve.min(fs_size / 20);
+        if is_file {
+            Self::open_file(
+                path,
+                opts,
+                lock,
+                align,
+                mem_align,
+                align_source,
+                free,
+                reserve,
+            )
+        } else {
+            Self::open_dir(
+                path,
+                opts,
+                lock,
+                align,
+                mem_align,
+                align_source,
+                free,
+                reserve,
+            )
+        }
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn open_dir(
+        path: &Path,
+        opts: DirOptions,
+        lock: File,
+        align: u64,
+        mem_align: u64,
+        align_source: &'static str,
+        free: u64,
+        reserve: u64,
+    ) -> anyhow::Result<Self> {
+        let sb_path = path.join("superblock");
+        let sb = match std::fs::read(&sb_path) {
+            Ok(b) => Superblock::decode(&b).with_context(|| {
+                format!(
+                    "{} is not a pegaflow SSD superblock (remove the directory's contents to start afresh)",
+                    sb_path.display()
+                )
+            })?,
+            Err(e) if e.kind() == io::ErrorKind::NotFound => {
+                let seg = segment_size_for(opts.segment_size, opts.capacity, align);
+                let sb = Superblock {
+                    align: align as u32,
+                    segment_size: seg,
+                    created_unix: now_unix(),
+                    store_id: rand::random(),
+                };
+                let mut bytes = sb.encode();
+                bytes.resize(align as usize, 0);
+                let tmp = path.join("superblock.tmp");
+                std::fs::write(&tmp, &bytes)?;
+                File::open(&tmp)?.sync_all()?;
+                std::fs::rename(&tmp, &sb_path)?;
+                File::open(path)?.sync_all()?;
+                sb
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot read {}", sb_path.display())),
+        };
+        if u64::from(sb.align) < align || u64::from(sb.align) % align != 0 {
+            bail!(
+                "{}: the store was formatted with {}-byte alignment but the device needs {align}: remove the directory's contents to reformat",
+                path.display(),
+                sb.align
+            );
+        }
+        let align = u64::from(sb.align);
+        // Space already ours: the segment files present.
+        let mut held = 0u64;
+        for e in std::fs::read_dir(path)?.flatten() {
+            if e.file_name().to_string_lossy().starts_with("segment-") {
+                held += e.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+        }
+        let room = (free + held).saturating_sub(reserve);
+        let cap = opts.capacity.min(room);
+        let slots = (cap / sb.segment_size) as u32;
+        if slots == 0 {
+            bail!(
+                "SSD cache path {}: no room for one {}-byte segment (capacity {}, {} free + {} held, {} reserved)",
+                path.display(),
+                sb.segment_size,
+                opts.capacity,
+                free,
+                held,
+                reserve
+            );
+        }
+        // Segment files past the slot count (a smaller capacity than last time) are removed.
+        for e in std::fs::read_dir(path)?.flatten() {
+            let name = e.file_name().to_string_lossy().into_owned();
+            if let Some(n) = parse_segment_name(&name) {
+                if n >= slots {
+                    tracing::info!(file = %e.path().display(), "removing a segment beyond the configured capacity");
+                    let _ = std::fs::remove_file(e.path());
+                }
+            }
+        }
+        let probe = path.join(".direct-probe");
+        let (pf, direct) = device::open_data(&probe, true, opts.direct)?;
+        drop(pf);
+        let _ = std::fs::remove_file(&probe);
+        if opts.direct && !direct {
+            tracing::warn!(path = %path.display(), "the filesystem refuses O_DIRECT; the SSD tier uses the page cache");
+        }
+        Ok(Self {
+            path: path.to_path_buf(),
+            layout: Layout::Directory,
+            align,
+            mem_align: mem_align.max(align),
+            segment_size: sb.segment_size,
+            slots,
+            store_id: sb.store_id,
+            direct,
+            align_source,
+            files: Mutex::new(vec![None; slots as usize]),
+            _lock: lock,
+            errors: AtomicU32::new(0),
+            degraded: AtomicBool::new(false),
+        })
+    }
+
+    #[allow(clippy::too_many_arguments)]
+    fn open_file(
+        path: &Path,
+        opts: DirOptions,
+        lock: File,
+        align: u64,
+        mem_align: u64,
+        align_source: &'static str,
+        free: u64,
+        reserve: u64,
+    ) -> anyhow::Result<Self> {
+        let (file, direct) = device::open_data(path, false, opts.direct)
+            .with_context(|| format!("cannot open the SSD cache file {}", path.display()))?;
+        let len = file.metadata()?.len();
+        let mut head = crate::io::AlignedBuf::new(4096.max(align as usize), mem_align as usize);
+        let n = head.len();
+        let got = file.read_at(head.slice_mut(n), 0).unwrap_or(0);
+        let existing = if got >= 64 {
+            Superblock::decode(head.slice(got)).ok()
+        } else {
+            None
+        };
+        let sb = match existing {
+            Some(sb) => sb,
+            None => {
+                if len > 0 && got >= 8 && head.slice(8) != crate::format::SUPERBLOCK_MAGIC {
+                    // An existing file that is not ours: refuse rather than overwrite it.
+                    let looks_empty = head.slice(got).iter().all(|&b| b == 0);
+                    if !looks_empty {
+                        bail!(
+                            "SSD cache file {} exists and is not a pegaflow SSD store: refusing to overwrite it (remove it, or name a directory)",
+                            path.display()
+                        );
+                    }
+                }
+                let room = (free + len).saturating_sub(reserve);
+                let cap = opts.capacity.min(room.saturating_sub(FILE_BASE));
+                let seg = segment_size_for(opts.segment_size, cap, align);
+                let sb = Superblock {
+                    align: align as u32,
+                    segment_size: seg,
+                    created_unix: now_unix(),
+                    store_id: rand::random(),
+                };
+                let slots = cap / seg;
+                if slots == 0 {
+                    bail!(
+                        "SSD cache file {}: no room for one {seg}-byte segment ({free} bytes free, {reserve} reserved)",
+                        path.display()
+                    );
+                }
+                device::preallocate(&file, 0, FILE_BASE + slots * seg).with_context(|| {
+                    format!("cannot preallocate the SSD cache file {}", path.display())
+                })?;
+                let mut b = crate::io::AlignedBuf::new(align as usize, mem_align as usize);
+                let e = sb.encode();
+                b.slice_mut(e.len()).copy_from_slice(&e);
+                file.write_at(b.slice(align as usize), 0)?;
+                file.sync_all()?;
+                sb
+            }
+        };
+        let len = file.metadata()?.len();
+        let slots = (len.saturating_sub(FILE_BASE) / sb.segment_size)
+            .min(opts.capacity / sb.segment_size) as u32;
+        if slots == 0 {
+            bail!(
+                "SSD cache file {}: smaller than one segment",
+                path.display()
+            );
+        }
+        let file = Arc::new(file);
+        Ok(Self {
+            path: path.to_path_buf(),
+            layout: Layout::File {
+                file: file.clone(),
+                base: FILE_BASE,
+            },
+            align: u64::from(sb.align),
+            mem_align: mem_align.max(u64::from(sb.align)),
+            segment_size: sb.segment_size,
+            slots,
+            store_id: sb.store_id,
+            direct,
+            align_source,
+            files: Mutex::new(vec![Some(file); slots as usize]),
+            _lock: lock,
+            errors: AtomicU32::new(0),
+            degraded: AtomicBool::new(false),
+        })
+    }
+
+    /// Bytes of segments this directory may hold.
+    pub fn capacity(&self) -> u64 {
+        u64::from(self.slots) * self.segment_size
+    }
+
+    /// The file of slot `slot` and the offset of its segment in it. With `create`, a missing
+    /// segment file is created and preallocated (blocking).
+    ///
+    /// # Errors
+    /// `NotFound` without `create`; ENOSPC/EDQUOT from preallocation; other OS errors.
+    pub fn slot_file(&self, slot: u32, create: bool) -> io::Result<(Arc<File>, u64)> {
+        match &self.layout {
+            Layout::File { file, base } => {
+                Ok((file.clone(), base + u64::from(slot) * self.segment_size))
+            }
+            Layout::Directory => {
+                if let Some(f) = self.files.lock()[slot as usize].clone() {
+                    return Ok((f, 0));
+                }
+                let p = self.path.join(segment_name(slot));
+                let exists = p.exists();
+                if !exists && !create {
+                    return Err(io::Error::from(io::ErrorKind::NotFound));
+                }
+                let (f, _) = device::open_data(&p, create, self.direct)?;
+                if f.metadata()?.len() < self.segment_size {
+                    if !create {
+                        return Err(io::Error::from(io::ErrorKind::NotFound));
+                    }
+                    if let Err(e) = device::preallocate(&f, 0, self.segment_size) {
+                        drop(f);
+                        if !exists {
+                            let _ = std::fs::remove_file(&p);
+                        }
+                        return Err(e);
+                    }
+                }
+                let f = Arc::new(f);
+                self.files.lock()[slot as usize] = Some(f.clone());
+                Ok((f, 0))
+            }
+        }
+    }
+
+    /// Every open data file (for `fdatasync`).
+    pub fn open_files(&self) -> Vec<Arc<File>> {
+        let mut v: Vec<Arc<File>> = self.files.lock().iter().flatten().cloned().collect();
+        v.dedup_by(|a, b| Arc::ptr_eq(a, b));
+        v
+    }
+}
+
+/// A segment size for a store of `capacity` bytes: the configured one, smaller for small
+/// stores (at least 8 segments, at least 1 MiB), aligned.
+fn segment_size_for(configured: u64, capacity: u64, align: u64) -> u64 {
+    let small = (capacity / 8).max(1 << 20);
+    align_up(configured.min(small).max(16 * align), align)
+}
+
+fn segment_name(slot: u32) -> String {
+    format!("segment-{slot:06}.dat")
+}
+
+fn parse_segment_name(name: &str) -> Option<u32> {
+    name.strip_prefix("segment-")?
+        .strip_suffix(".dat")?
+        .parse()
+        .ok()
+}
+
+fn now_unix() -> u64 {
+    std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map(|d| d.as_secs())
+        .unwrap_or(0)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn segment_names_round_trip_and_small_stores_get_small_segments() {
+        assert_eq!(parse_segment_name(&segment_name(42)), Some(42));
+        assert_eq!(parse_segment_name("segment-x.dat"), None);
+        assert_eq!(segment_size_for(256 << 20, 1 << 40, 4096), 256 << 20);
+        assert_eq!(segment_size_for(256 << 20, 64 << 20, 4096), 8 << 20);
+        assert_eq!(segment_size_for(256 << 20, 1 << 20, 4096), 1 << 20);
+    }
+
+    #[test]
+    fn a_second_open_of_one_directory_names_the_holder() {
+        let d = tempfile::tempdir().unwrap();
+        let o = DirOptions {
+            capacity: 64 << 20,
+            segment_size: 8 << 20,
+            reserve: 0,
+            direct: true,
+        };
+        let a = Dir::open(d.path(), o).unwrap();
+        assert!(a.slots >= 1);
+        let e = Dir::open(d.path(), o).unwrap_err().to_string();
+        assert!(e.contains("in use by another process"), "{e}");
+        assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
+        drop(a);
+        Dir::open(d.path(), o).unwrap();
+    }
+}

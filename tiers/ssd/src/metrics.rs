@@ -1,0 +1,185 @@
+//! The SSD tier's metric families (`pegaflow_ssd_*`), registered in the server's registry.
+
+use prometheus::{
+    Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
+};
+
+/// Every family of one SSD tier.
+#[derive(Clone)]
+pub struct SsdMetrics {
+    /// Bytes written to / read from the devices, by op (`write`, `read`).
+    pub bytes: IntCounterVec,
+    /// Blocks written / read, by op.
+    pub blocks: IntCounterVec,
+    /// Put or get batches refused because the tier's queue was full, by queue.
+    pub queue_drops: IntCounterVec,
+    /// I/O errors by op (`write`, `read`, `preallocate`, `sync`) and kind (`eio`, `enospc`, `short`, `other`).
+    pub errors: IntCounterVec,
+    /// Records that failed their checks when read (dropped from the index).
+    pub corrupt_records: IntCounter,
+    /// Segments evicted, by reason (`capacity`, `enospc`, `degraded`).
+    pub segment_evictions: IntCounterVec,
+    /// Seconds the last recovery took.
+    pub recovery_seconds: prometheus::Gauge,
+    /// Blocks the last recovery indexed.
+    pub recovered_blocks: IntGauge,
+    /// Records the last recovery dropped (torn, failed checksums).
+    pub recovery_dropped: IntGauge,
+    /// Bytes held / capacity.
+    pub used_bytes: IntGauge,
+    /// Capacity in bytes (directories in service).
+    pub capacity_bytes: IntGauge,
+    /// Directories out of service after repeated errors.
+    pub degraded_dirs: IntGauge,
+    /// 1 for the I/O engine in use, by engine (`uring`, `posix`).
+    pub io_engine: IntGaugeVec,
+    /// Times `io = "auto"` fell back to posix because io_uring was refused.
+    pub io_fallbacks: IntCounter,
+    /// Latency of one block read (promotion), seconds.
+    pub read_seconds: Histogram,
+}
+
+impl SsdMetrics {
+    /// Creates the families and registers them in `registry` (a second SSD tier in one
+    /// server counts into unregistered families: its figures are not exported).
+    pub fn new(registry: &Registry) -> Self {
+        let m = Self {
+            bytes: IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_ssd_bytes_total",
+                    "Bytes moved to or from the SSD tier, by op",
+                ),
+                &["op"],
+            )
+            .unwrap(),
+            blocks: IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_ssd_blocks_total",
+                    "Blocks written to or read from the SSD tier, by op",
+                ),
+                &["op"],
+            )
+            .unwrap(),
+            queue_drops: IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_ssd_queue_drops_total",
+                    "Batches the SSD tier refused because its write or prefetch queue was full",
+                ),
+                &["queue"],
+            )
+            .unwrap(),
+            errors: IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_ssd_io_errors_total",
+                    "SSD I/O errors, by op and kind",
+                ),
+                &["op", "kind"],
+            )
+            .unwrap(),
+            corrupt_records: IntCounter::new(
+                "pegaflow_ssd_corrupt_records_total",
+                "SSD records that failed their checksums or identity checks when read (dropped)",
+            )
+            .unwrap(),
+            segment_evictions: IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_ssd_segment_evictions_total",
+                    "SSD segments evicted, by reason",
+                ),
+                &["reason"],
+            )
+            .unwrap(),
+            recovery_seconds: prometheus::Gauge::new(
+                "pegaflow_ssd_recovery_seconds",
+                "Seconds the SSD tier's index rebuild took at start",
+            )
+            .unwrap(),
+            recovered_blocks: IntGauge::new(
+                "pegaflow_ssd_recovered_blocks",
+                "Blocks the SSD tier found intact at start",
+            )
+            .unwrap(),
+            recovery_dropped: IntGauge::new(
+                "pegaflow_ssd_recovery_dropped_records",
+                "Records the SSD tier dropped at start (torn or failing checksums)",
+            )
+            .unwrap(),
+            used_bytes: IntGauge::new(
+                "pegaflow_ssd_used_bytes",
+                "Bytes of records the SSD tier holds",
+            )
+            .unwrap(),
+            capacity_bytes: IntGauge::new(
+                "pegaflow_ssd_capacity_bytes",
+                "Capacity of the SSD tier's directories in service, bytes",
+            )
+            .unwrap(),
+            degraded_dirs: IntGauge::new(
+                "pegaflow_ssd_degraded_dirs",
+                "SSD directories taken out of service after repeated I/O errors",
+            )
+            .unwrap(),
+            io_engine: IntGaugeVec::new(
+                Opts::new("pegaflow_ssd_io_engine", "1 for the SSD I/O engine in use"),
+                &["engine"],
+            )
+            .unwrap(),
+            io_fallbacks: IntCounter::new(
+                "pegaflow_ssd_io_fallbacks_total",
+                "Times io = auto fell back to pread/pwrite because io_uring was refused",
+            )
+            .unwrap(),
+            read_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "pegaflow_ssd_block_read_seconds",
+                    "Latency of one SSD block read, seconds",
+                )
+                .buckets(prometheus::exponential_buckets(0.000_05, 2.0, 16).unwrap()),
+            )
+            .unwrap(),
+        };
+        let all: Vec<Box<dyn prometheus::core::Collector>> = vec![
+            Box::new(m.bytes.clone()),
+            Box::new(m.blocks.clone()),
+            Box::new(m.queue_drops.clone()),
+            Box::new(m.errors.clone()),
+            Box::new(m.corrupt_records.clone()),
+            Box::new(m.segment_evictions.clone()),
+            Box::new(m.recovery_seconds.clone()),
+            Box::new(m.recovered_blocks.clone()),
+            Box::new(m.recovery_dropped.clone()),
+            Box::new(m.used_bytes.clone()),
+            Box::new(m.capacity_bytes.clone()),
+            Box::new(m.degraded_dirs.clone()),
+            Box::new(m.io_engine.clone()),
+            Box::new(m.io_fallbacks.clone()),
+            Box::new(m.read_seconds.clone()),
+        ];
+        for c in all {
+            if registry.register(c).is_err() {
+                tracing::warn!(
+                    "a second SSD tier's metrics are not exported (the names are taken)"
+                );
+                break;
+            }
+        }
+        m
+    }
+
+    /// Counts an I/O error of `op`.
+    pub fn error(&self, op: &str, e: &std::io::Error) {
+        let kind = match e.raw_os_error() {
+            Some(libc::EIO) => "eio",
+            Some(libc::ENOSPC) | Some(libc::EDQUOT) => "enospc",
+            _ if matches!(
+                e.kind(),
+                std::io::ErrorKind::WriteZero | std::io::ErrorKind::UnexpectedEof
+            ) =>
+            {
+                "short"
+            }
+            _ => "other",
+        };
+        self.errors.with_label_values(&[op, kind]).inc();
+    }
+}
