@@ -76,6 +76,8 @@ struct Record {
     save_sent: u32,
     save_rejected: bool,
     query_us: f64,
+    /// Whether the first answer was Loading.
+    loading: bool,
     load_us: Option<f64>,
     release_us: Option<f64>,
     save_us: Option<f64>,
@@ -188,6 +190,7 @@ impl Client {
             }
         };
         rec.query_us = us(t.elapsed());
+        rec.loading = tries > 0;
         if hits > hashes.len() {
             anyhow::bail!(
                 "request {index}: {hits} hits reported for {} hashes",
@@ -498,6 +501,7 @@ pub fn run(
     let bytes_saved = counters.map_or(save_sent * bb, |c| c.save_bytes);
     let lat = LatencyReport {
         query: stats_of(&recs, |r| Some(r.query_us)),
+        loading: stats_of(&recs, |r| r.loading.then_some(r.query_us)),
         load: stats_of(&recs, |r| r.load_us),
         release: stats_of(&recs, |r| r.release_us),
         save: stats_of(&recs, |r| r.save_us),

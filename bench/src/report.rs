@@ -134,8 +134,11 @@ pub struct Throughput {
 /// Latency of each RPC as the client measured it.
 #[derive(Debug, Clone, Serialize)]
 pub struct LatencyReport {
-    /// QueryPrefetch.
+    /// QueryPrefetch (until Ready, re-polls included).
     pub query: LatencyStats,
+    /// The queries answered Loading first: from the first QueryPrefetch until Ready (the
+    /// promotion from the tiers below DRAM as the client sees it).
+    pub loading: LatencyStats,
     /// Load: from sending the RPC until the completion word reads success.
     pub load: LatencyStats,
     /// Release.
@@ -361,6 +364,7 @@ impl Report {
         );
         for (name, l) in [
             ("Query", &self.latency.query),
+            ("Loading", &self.latency.loading),
             ("Load", &self.latency.load),
             ("Release", &self.latency.release),
             ("Save", &self.latency.save),

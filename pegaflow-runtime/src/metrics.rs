@@ -85,6 +85,9 @@ pub struct Metrics {
     /// Lower-tier lookups whose continuation stopped at a block of another slot layout than
     /// the querying instance's (the layout guard), by tier (this server).
     pub tier_layout_mismatches: IntCounterVec,
+    /// Blocks a query did not promote because promotions in flight held the whole
+    /// `max_promote_blocks` budget (this server).
+    pub tier_promotion_backpressure_blocks: IntCounter,
     /// QueryPrefetch answers by outcome (`ready`, `loading`) (this server).
     pub query_answers: IntCounterVec,
     /// Promotion tasks not yet collected (this server).
@@ -288,6 +291,10 @@ impl Metrics {
                     "Lower-tier continuations cut at a block of another slot layout than the querying instance's"
                 ),
                 &["tier"]
+            )),
+            tier_promotion_backpressure_blocks: reg!(c(
+                "pegaflow_tier_promotion_backpressure_blocks_total",
+                "Blocks not promoted because promotions in flight held the whole max_promote_blocks budget"
             )),
             query_answers: reg!(IntCounterVec::new(
                 Opts::new(

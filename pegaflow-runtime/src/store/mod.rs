@@ -62,7 +62,8 @@ pub struct StoreConfig {
     /// Promotion tasks at once; a query beyond it is answered with what DRAM holds.
     #[serde(default = "default_max_promotions")]
     pub max_promotions: usize,
-    /// Blocks one promotion reads at most (PegaFlow's `--max-prefetch-blocks`).
+    /// Blocks all running promotions read at most, together (PegaFlow's
+    /// `--max-prefetch-blocks` budget): a query finding it spent answers with what DRAM holds.
     #[serde(default = "default_max_promote_blocks")]
     pub max_promote_blocks: usize,
 }

@@ -47,6 +47,9 @@ struct Task {
 #[derive(Default)]
 pub(super) struct Promotions {
     tasks: Mutex<HashMap<TaskKey, Arc<Task>>>,
+    /// Blocks being read by running tasks, over all of them (bounded by
+    /// `max_promote_blocks`: PegaFlow's shared `max_prefetch_blocks` budget).
+    inflight_blocks: std::sync::atomic::AtomicUsize,
 }
 
 impl Promotions {
@@ -106,7 +109,17 @@ impl TierStack {
         if self.promotions.len() >= self.config.max_promotions {
             return PrefixAnswer::Ready(hits);
         }
-        let end = hashes.len().min(n + self.config.max_promote_blocks);
+        // The shared budget: a query finding it spent answers with what DRAM holds (a
+        // client that re-polls with new req_ids cannot pile up promotions of one prefix).
+        let inflight = self.promotions.inflight_blocks.load(Ordering::Acquire);
+        let budget = self.config.max_promote_blocks.saturating_sub(inflight);
+        if budget == 0 {
+            self.metrics
+                .tier_promotion_backpressure_blocks
+                .inc_by((hashes.len() - n) as u64);
+            return PrefixAnswer::Ready(hits);
+        }
+        let end = hashes.len().min(n + budget);
         let rest: Vec<BlockKey> = hashes[n..end]
             .iter()
             .map(|h| BlockKey {
@@ -159,8 +172,16 @@ impl TierStack {
             let mut rest = rest;
             rest.truncate(shapes.len());
             let expect = expect.cloned();
+            let reserved = rest.len();
+            self.promotions
+                .inflight_blocks
+                .fetch_add(reserved, Ordering::AcqRel);
             tokio::spawn(async move {
                 stack.promote(ti, rest, shapes, &task, expect).await;
+                stack
+                    .promotions
+                    .inflight_blocks
+                    .fetch_sub(reserved, Ordering::AcqRel);
                 *task.finished.lock() = Some(Instant::now());
                 task.done.store(true, Ordering::Release);
             });

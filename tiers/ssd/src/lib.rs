@@ -98,12 +98,13 @@ pub struct SsdConfig {
     #[serde(default = "default_io_threads")]
     pub io_threads: usize,
     /// Put batches (from the demotion worker or write-through) in the tier at once; more
-    /// are refused and counted (`pegaflow_ssd_queue_drops_total{queue="write"}`); the blocks
+    /// are refused and counted (`pegaflow_ssd_write_queue_full_total`); the blocks
     /// stay in DRAM. `--ssd-write-queue-depth`. Default 8.
     #[serde(default = "default_write_queue")]
     pub write_queue_depth: usize,
     /// Writes in flight (each one chunk of records to one open segment; one open segment
-    /// per write in flight). `--ssd-write-inflight`. Default 2.
+    /// per write in flight). `--ssd-write-inflight`. Default 4 (PegaFlow's 2 counts single
+    /// blocks; one of these is a chunk of up to `write_chunk` bytes).
     #[serde(default = "default_write_inflight")]
     pub write_inflight: usize,
     /// Get batches (promotions) in the tier at once; more are refused (the promotion falls
@@ -159,7 +160,7 @@ fn default_write_queue() -> usize {
     8
 }
 fn default_write_inflight() -> usize {
-    2
+    4
 }
 fn default_prefetch_queue() -> usize {
     32
@@ -476,7 +477,7 @@ inventory::submit! {
             FactoryFlag {
                 long: "ssd-write-inflight",
                 value_name: "N",
-                help: "SSD writes in flight (one open segment each). [default: 2]",
+                help: "SSD writes in flight (one open segment each). [default: 4]",
                 setting: "write_inflight",
                 value: FlagValue::Integer { min: 1 },
                 adds_entry: false,

@@ -4,15 +4,42 @@ use prometheus::{
     Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry,
 };
 
-/// Every family of one SSD tier.
+/// 1 GB/s to 40 GB/s (PegaFlow's throughput buckets).
+fn throughput_buckets() -> Vec<f64> {
+    vec![1e9, 2e9, 4e9, 6e9, 8e9, 10e9, 15e9, 20e9, 30e9, 40e9]
+}
+
+/// Every family of one SSD tier. The `pegaflow_ssd_write_*` and `pegaflow_ssd_prefetch_*`
+/// families carry PegaFlow 0.25.1's names (a dashboard built for it keeps working); the rest
+/// are this tier's own.
 #[derive(Clone)]
 pub struct SsdMetrics {
-    /// Bytes written to / read from the devices, by op (`write`, `read`).
-    pub bytes: IntCounterVec,
+    /// Record bytes written (PegaFlow's `pegaflow_ssd_write_bytes`).
+    pub write_bytes: IntCounter,
+    /// Blocks whose write failed (PegaFlow's `pegaflow_ssd_write_failures`).
+    pub write_failures: IntCounter,
+    /// Bytes per second of each write (PegaFlow's `pegaflow_ssd_write_throughput`).
+    pub write_throughput: Histogram,
+    /// Put batches in the tier (PegaFlow's `pegaflow_ssd_write_queue_pending`).
+    pub write_queue_pending: IntGauge,
+    /// Put batches refused, queue full (PegaFlow's `pegaflow_ssd_write_queue_full`).
+    pub write_queue_full: IntCounter,
+    /// Writes in flight (PegaFlow's `pegaflow_ssd_write_inflight`).
+    pub write_inflight: IntGauge,
+    /// Record bytes read (PegaFlow's `pegaflow_ssd_prefetch_bytes`).
+    pub prefetch_bytes: IntCounter,
+    /// Blocks read and verified (PegaFlow's `pegaflow_ssd_prefetch_success`).
+    pub prefetch_success: IntCounter,
+    /// Blocks whose read failed (PegaFlow's `pegaflow_ssd_prefetch_failures`).
+    pub prefetch_failures: IntCounter,
+    /// Bytes per second of each read (PegaFlow's `pegaflow_ssd_prefetch_throughput`).
+    pub prefetch_throughput: Histogram,
+    /// Reads in flight (PegaFlow's `pegaflow_ssd_prefetch_inflight`).
+    pub prefetch_inflight: IntGauge,
+    /// Get batches refused, queue full (PegaFlow's `pegaflow_ssd_prefetch_queue_full`).
+    pub prefetch_queue_full: IntCounter,
     /// Blocks written / read, by op.
     pub blocks: IntCounterVec,
-    /// Put or get batches refused because the tier's queue was full, by queue.
-    pub queue_drops: IntCounterVec,
     /// I/O errors by op (`write`, `read`, `preallocate`, `sync`) and kind (`eio`, `enospc`, `short`, `other`).
     pub errors: IntCounterVec,
     /// Records that failed their checks when read (dropped from the index).
@@ -44,12 +71,67 @@ impl SsdMetrics {
     /// server counts into unregistered families: its figures are not exported).
     pub fn new(registry: &Registry) -> Self {
         let m = Self {
-            bytes: IntCounterVec::new(
-                Opts::new(
-                    "pegaflow_ssd_bytes_total",
-                    "Bytes moved to or from the SSD tier, by op",
-                ),
-                &["op"],
+            write_bytes: IntCounter::new(
+                "pegaflow_ssd_write_bytes_total",
+                "Record bytes written to the SSD tier",
+            )
+            .unwrap(),
+            write_failures: IntCounter::new(
+                "pegaflow_ssd_write_failures_total",
+                "Blocks whose SSD write failed",
+            )
+            .unwrap(),
+            write_throughput: Histogram::with_opts(
+                HistogramOpts::new(
+                    "pegaflow_ssd_write_throughput",
+                    "Bytes per second of each SSD write",
+                )
+                .buckets(throughput_buckets()),
+            )
+            .unwrap(),
+            write_queue_pending: IntGauge::new(
+                "pegaflow_ssd_write_queue_pending",
+                "Put batches in the SSD tier",
+            )
+            .unwrap(),
+            write_queue_full: IntCounter::new(
+                "pegaflow_ssd_write_queue_full_total",
+                "Put batches the SSD tier refused because its write queue was full",
+            )
+            .unwrap(),
+            write_inflight: IntGauge::new("pegaflow_ssd_write_inflight", "SSD writes in flight")
+                .unwrap(),
+            prefetch_bytes: IntCounter::new(
+                "pegaflow_ssd_prefetch_bytes_total",
+                "Record bytes read from the SSD tier",
+            )
+            .unwrap(),
+            prefetch_success: IntCounter::new(
+                "pegaflow_ssd_prefetch_success_total",
+                "Blocks read from the SSD tier and verified",
+            )
+            .unwrap(),
+            prefetch_failures: IntCounter::new(
+                "pegaflow_ssd_prefetch_failures_total",
+                "Blocks whose SSD read failed (I/O error or failed checks)",
+            )
+            .unwrap(),
+            prefetch_throughput: Histogram::with_opts(
+                HistogramOpts::new(
+                    "pegaflow_ssd_prefetch_throughput",
+                    "Bytes per second of each SSD read",
+                )
+                .buckets(throughput_buckets()),
+            )
+            .unwrap(),
+            prefetch_inflight: IntGauge::new(
+                "pegaflow_ssd_prefetch_inflight",
+                "SSD reads in flight",
+            )
+            .unwrap(),
+            prefetch_queue_full: IntCounter::new(
+                "pegaflow_ssd_prefetch_queue_full_total",
+                "Get batches the SSD tier refused because its prefetch queue was full",
             )
             .unwrap(),
             blocks: IntCounterVec::new(
@@ -58,14 +140,6 @@ impl SsdMetrics {
                     "Blocks written to or read from the SSD tier, by op",
                 ),
                 &["op"],
-            )
-            .unwrap(),
-            queue_drops: IntCounterVec::new(
-                Opts::new(
-                    "pegaflow_ssd_queue_drops_total",
-                    "Batches the SSD tier refused because its write or prefetch queue was full",
-                ),
-                &["queue"],
             )
             .unwrap(),
             errors: IntCounterVec::new(
@@ -139,9 +213,19 @@ impl SsdMetrics {
             .unwrap(),
         };
         let all: Vec<Box<dyn prometheus::core::Collector>> = vec![
-            Box::new(m.bytes.clone()),
+            Box::new(m.write_bytes.clone()),
+            Box::new(m.write_failures.clone()),
+            Box::new(m.write_throughput.clone()),
+            Box::new(m.write_queue_pending.clone()),
+            Box::new(m.write_queue_full.clone()),
+            Box::new(m.write_inflight.clone()),
+            Box::new(m.prefetch_bytes.clone()),
+            Box::new(m.prefetch_success.clone()),
+            Box::new(m.prefetch_failures.clone()),
+            Box::new(m.prefetch_throughput.clone()),
+            Box::new(m.prefetch_inflight.clone()),
+            Box::new(m.prefetch_queue_full.clone()),
             Box::new(m.blocks.clone()),
-            Box::new(m.queue_drops.clone()),
             Box::new(m.errors.clone()),
             Box::new(m.corrupt_records.clone()),
             Box::new(m.segment_evictions.clone()),

@@ -564,6 +564,7 @@ impl Inner {
             Ok(p) => p,
             Err(_) => return vec![Err(TierError::Unavailable("SSD tier stopped".into())); n],
         };
+        let _inflight = GaugeGuard::new(&self.metrics.write_inflight);
         // A stream: try each without waiting, else wait for the next in turn.
         let start = self.next_stream.fetch_add(1, Ordering::Relaxed);
         let mut guard = None;
@@ -681,10 +682,10 @@ impl Inner {
                             }
                         }
                     }
-                    self.metrics
-                        .bytes
-                        .with_label_values(&["write"])
-                        .inc_by(total);
+                    self.metrics.write_bytes.inc_by(total);
+                    if secs > 0.0 {
+                        self.metrics.write_throughput.observe(total as f64 / secs);
+                    }
                     self.metrics
                         .blocks
                         .with_label_values(&["write"])
@@ -746,6 +747,7 @@ impl Inner {
             .acquire()
             .await
             .map_err(|_| TierError::Unavailable("SSD tier stopped".into()))?;
+        let _inflight = GaugeGuard::new(&self.metrics.prefetch_inflight);
         let dir = &self.dirs[loc.dir];
         if dir.degraded.load(Ordering::Relaxed) {
             return Err(TierError::Unavailable(format!(
@@ -779,10 +781,13 @@ impl Inner {
                     self.read_bw
                         .store((loc.len as f64 / secs) as u64, Ordering::Relaxed);
                 }
-                self.metrics
-                    .bytes
-                    .with_label_values(&["read"])
-                    .inc_by(loc.len);
+                self.metrics.prefetch_bytes.inc_by(loc.len);
+                self.metrics.prefetch_success.inc();
+                if secs > 0.0 {
+                    self.metrics
+                        .prefetch_throughput
+                        .observe(loc.len as f64 / secs);
+                }
                 self.metrics.blocks.with_label_values(&["read"]).inc();
                 let mut st = self.state.lock();
                 let m = &mut st.segs[loc.dir][loc.slot as usize];
@@ -793,6 +798,7 @@ impl Inner {
             }
             Ok(Err(why)) => {
                 self.metrics.corrupt_records.inc();
+                self.metrics.prefetch_failures.inc();
                 tracing::warn!(path = %dir.path.display(), slot = loc.slot, offset = loc.offset, why, "SSD record failed its checks; dropped");
                 let mut st = self.state.lock();
                 if st.index.get(&r.key).is_some_and(|l| {
@@ -803,6 +809,7 @@ impl Inner {
                 Err(TierError::Corrupt(why))
             }
             Err(e) => {
+                self.metrics.prefetch_failures.inc();
                 self.dir_error(loc.dir, "read", &e);
                 Err(unavailable("read", &e))
             }
@@ -867,10 +874,14 @@ impl Inner {
         (out, dropped)
     }
 
-    /// Scans a segment without a summary: record headers from the start, until one does
-    /// not parse as this generation's; each record's payload is read and verified (a torn
-    /// write leaves a header whose payload fails). Returns the good records and how many
-    /// were dropped.
+    /// Scans a segment without a summary (it was open at a crash): record headers from the
+    /// start, until one does not parse as this generation's. Writes to one segment are
+    /// sequential (a chunk starts only once the previous one completed), so only the records
+    /// of its last chunk can be torn by a crash: the payloads in the last
+    /// `max(write_chunk, 16 MiB)` bytes are read and verified, and a record that fails is
+    /// dropped (a torn write leaves a whole header whose payload fails). A record torn by a
+    /// device that reported success is caught when it is read. Returns the good records and
+    /// how many were dropped.
     async fn scan_segment(
         &self,
         dir: &Dir,
@@ -881,7 +892,7 @@ impl Inner {
         let align = dir.align;
         let end = dir.segment_size - align;
         let mut pos = align;
-        let mut out = Vec::new();
+        let mut found = Vec::new();
         let mut dropped = 0;
         while pos + align <= end {
             let first = (64u64 << 10).min(end - pos) as usize;
@@ -913,34 +924,42 @@ impl Inner {
                 dropped += 1;
                 break;
             }
-            // Verify the payload: a record whose write did not complete fails here.
-            let key = h.key.clone();
-            let shape = h.shape.clone();
-            let ok = self
-                .engine
-                .read(
-                    file.clone(),
-                    base + pos,
-                    len as usize,
-                    Box::new(move |b| {
-                        crate::verify::check_record(b, &key, gen, &shape, &crate::verify::Discard)
-                    }),
-                )
-                .await;
-            match ok {
-                Ok(Ok(())) => out.push(SummaryEntry {
-                    offset: pos,
-                    header: h,
-                }),
-                // A whole header with a torn payload: drop the record, keep scanning after
-                // it (its length is known), so that later complete records survive.
-                Ok(Err(_)) => dropped += 1,
-                Err(_) => {
+            found.push((pos, len, h));
+            pos += len;
+        }
+        let window = self.settings.write_chunk.max(16 << 20);
+        let tail_from = pos.saturating_sub(window);
+        let mut out = Vec::with_capacity(found.len());
+        for (at, len, h) in found {
+            if at + len > tail_from {
+                let key = h.key.clone();
+                let shape = h.shape.clone();
+                let ok = self
+                    .engine
+                    .read(
+                        file.clone(),
+                        base + at,
+                        len as usize,
+                        Box::new(move |b| {
+                            crate::verify::check_record(
+                                b,
+                                &key,
+                                gen,
+                                &shape,
+                                &crate::verify::Discard,
+                            )
+                        }),
+                    )
+                    .await;
+                if !matches!(ok, Ok(Ok(()))) {
                     dropped += 1;
-                    break;
+                    continue;
                 }
             }
-            pos += len;
+            out.push(SummaryEntry {
+                offset: at,
+                header: h,
+            });
         }
         (out, dropped)
     }
@@ -1009,10 +1028,13 @@ impl Tier for SsdTier {
         }
         if self.pending_puts.fetch_add(1, Ordering::AcqRel) >= self.settings.write_queue_depth {
             self.pending_puts.fetch_sub(1, Ordering::AcqRel);
-            self.metrics.queue_drops.with_label_values(&["write"]).inc();
+            self.metrics.write_queue_full.inc();
             return vec![Err(TierError::Unavailable("SSD write queue full".into())); n];
         }
         let _done = Decrement(&self.pending_puts);
+        self.metrics
+            .write_queue_pending
+            .set(self.pending_puts.load(Ordering::Relaxed) as i64);
         let mut results: Vec<Option<Result<(), TierError>>> = vec![None; n];
         // Chunks of consecutive records, each at most `write_chunk` bytes (or one record).
         let mut chunks: Vec<(Vec<usize>, Vec<ChunkItem>)> = Vec::new();
@@ -1074,20 +1096,23 @@ impl Tier for SsdTier {
                 Err(e) => tracing::error!(error = %e, "SSD write task failed"),
             }
         }
-        results
+        let results: Vec<Result<(), TierError>> = results
             .into_iter()
             .map(|r| r.unwrap_or(Err(TierError::Unavailable("no result".into()))))
-            .collect()
+            .collect();
+        let failed = results.iter().filter(|r| r.is_err()).count() as u64;
+        self.metrics.write_failures.inc_by(failed);
+        self.metrics
+            .write_queue_pending
+            .set(self.pending_puts.load(Ordering::Relaxed) as i64 - 1);
+        results
     }
 
     async fn get(&self, reads: Vec<TierGet>) -> Vec<Result<(), TierError>> {
         let n = reads.len();
         if self.pending_gets.fetch_add(1, Ordering::AcqRel) >= self.settings.prefetch_queue_depth {
             self.pending_gets.fetch_sub(1, Ordering::AcqRel);
-            self.metrics
-                .queue_drops
-                .with_label_values(&["prefetch"])
-                .inc();
+            self.metrics.prefetch_queue_full.inc();
             return vec![Err(TierError::Unavailable("SSD prefetch queue full".into())); n];
         }
         let _done = Decrement(&self.pending_gets);
@@ -1218,6 +1243,22 @@ impl Tier for SsdTier {
             "SSD index rebuilt"
         );
         Ok(rec)
+    }
+}
+
+/// Holds a gauge one higher while alive.
+struct GaugeGuard<'a>(&'a prometheus::IntGauge);
+
+impl<'a> GaugeGuard<'a> {
+    fn new(g: &'a prometheus::IntGauge) -> Self {
+        g.inc();
+        Self(g)
+    }
+}
+
+impl Drop for GaugeGuard<'_> {
+    fn drop(&mut self) {
+        self.0.dec();
     }
 }
 
