@@ -206,7 +206,7 @@ fn main() -> anyhow::Result<()> {
             for (j, r) in t.get(gets).await.iter().enumerate() {
                 if r.is_ok() {
                     read += 1;
-                    if (i + j as u64) % 97 == 0 {
+                    if (i + j as u64).is_multiple_of(97) {
                         let mut b = vec![0u8; 4096];
                         dests[j].read_at(0, &mut b);
                         exact &= b.iter().all(|&x| x == j as u8);
