@@ -394,8 +394,8 @@ pub struct Flags {
     /// Log level: error, warn, info, debug, trace, or a tracing filter. [default: info]
     #[arg(long, value_name = "LEVEL")]
     pub log_level: Option<String>,
-    /// Upper bound on blocks one promotion reads from the tiers below DRAM (the `[store]`
-    /// setting `max_promote_blocks`). [default: 800]
+    /// Blocks all running promotions read from the tiers below DRAM at most, together (the
+    /// `[store]` setting `max_promote_blocks`). [default: 800]
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
     pub max_prefetch_blocks: Option<u64>,
     /// Trace sampling rate, 0..=1. [default: 1.0]

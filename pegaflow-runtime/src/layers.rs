@@ -317,6 +317,18 @@ impl AdmissionTier {
         s.insert(f);
         false
     }
+
+    /// Records that the key was wanted (a lookup missed it) without consuming an earlier
+    /// sighting: however often a block is asked for before it is saved, its first put is
+    /// its second sighting.
+    fn note(&self, k: &BlockKey) {
+        let f = self.fingerprint(k);
+        let mut s = self.seen.lock();
+        if s.len() >= self.window && !s.contains(&f) {
+            s.clear();
+        }
+        s.insert(f);
+    }
 }
 
 #[async_trait]
@@ -339,7 +351,7 @@ impl Tier for AdmissionTier {
         // (a client queries a request's blocks before it saves them, so a block saved after
         // a miss is admitted when it is demoted; one saved blindly waits for a second save).
         for k in keys.iter().skip(r.len()) {
-            self.sight(k);
+            self.note(k);
         }
         Ok(r)
     }

@@ -67,6 +67,15 @@ impl Promotions {
     }
 }
 
+/// Gives `1` blocks back to the shared promotion budget `0` on drop.
+struct BudgetGuard<'a>(&'a std::sync::atomic::AtomicUsize, usize);
+
+impl Drop for BudgetGuard<'_> {
+    fn drop(&mut self) {
+        self.0.fetch_sub(self.1, Ordering::AcqRel);
+    }
+}
+
 fn digest(hashes: &[Vec<u8>]) -> u64 {
     let mut h = DefaultHasher::new();
     hashes.hash(&mut h);
@@ -177,11 +186,9 @@ impl TierStack {
                 .inflight_blocks
                 .fetch_add(reserved, Ordering::AcqRel);
             tokio::spawn(async move {
+                // Returned to the budget however the task ends (a panic included).
+                let _budget = BudgetGuard(&stack.promotions.inflight_blocks, reserved);
                 stack.promote(ti, rest, shapes, &task, expect).await;
-                stack
-                    .promotions
-                    .inflight_blocks
-                    .fetch_sub(reserved, Ordering::AcqRel);
                 *task.finished.lock() = Some(Instant::now());
                 task.done.store(true, Ordering::Release);
             });

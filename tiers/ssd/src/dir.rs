@@ -146,7 +146,10 @@ impl Dir {
         };
         let lock = take_lock(path, is_file)?;
         let fs_dir = if is_file {
-            path.parent().unwrap_or(Path::new("/")).to_path_buf()
+            match path.parent() {
+                Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
+                _ => PathBuf::from("."),
+            }
         } else {
             path.to_path_buf()
         };
@@ -190,6 +193,15 @@ impl Dir {
         free: u64,
         reserve: u64,
     ) -> anyhow::Result<Self> {
+        // Space already ours: the segment files present.
+        let mut held = 0u64;
+        for e in std::fs::read_dir(path)?.flatten() {
+            if e.file_name().to_string_lossy().starts_with("segment-") {
+                held += e.metadata().map(|m| m.len()).unwrap_or(0);
+            }
+        }
+        let room = (free + held).saturating_sub(reserve);
+        let cap = opts.capacity.min(room);
         let sb_path = path.join("superblock");
         let sb = match std::fs::read(&sb_path) {
             Ok(b) => Superblock::decode(&b).with_context(|| {
@@ -199,7 +211,8 @@ impl Dir {
                 )
             })?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
-                let seg = segment_size_for(opts.segment_size, opts.capacity, align);
+                // Sized for what fits (free space), not only what was asked.
+                let seg = segment_size_for(opts.segment_size, cap, align);
                 let sb = Superblock {
                     align: align as u32,
                     segment_size: seg,
@@ -225,15 +238,6 @@ impl Dir {
             );
         }
         let align = u64::from(sb.align);
-        // Space already ours: the segment files present.
-        let mut held = 0u64;
-        for e in std::fs::read_dir(path)?.flatten() {
-            if e.file_name().to_string_lossy().starts_with("segment-") {
-                held += e.metadata().map(|m| m.len()).unwrap_or(0);
-            }
-        }
-        let room = (free + held).saturating_sub(reserve);
-        let cap = opts.capacity.min(room);
         let slots = (cap / sb.segment_size) as u32;
         if slots == 0 {
             bail!(
@@ -297,8 +301,16 @@ impl Dir {
         let mut head = crate::io::AlignedBuf::new(4096.max(align as usize), mem_align as usize);
         let n = head.len();
         let got = file.read_at(head.slice_mut(n), 0).unwrap_or(0);
-        let existing = if got >= 64 {
-            Superblock::decode(head.slice(got)).ok()
+        let ours = got >= 8 && head.slice(8) == crate::format::SUPERBLOCK_MAGIC;
+        let existing = if ours {
+            // Our magic: it must parse (a damaged or newer-format store is refused, never
+            // reformatted).
+            Some(Superblock::decode(head.slice(got)).with_context(|| {
+                format!(
+                    "{} holds a pegaflow SSD store this build cannot open (remove the file to start afresh)",
+                    path.display()
+                )
+            })?)
         } else {
             None
         };
@@ -414,6 +426,11 @@ impl Dir {
                 Ok((f, 0))
             }
         }
+    }
+
+    /// Whether slot `slot`'s segment file is open (created and preallocated).
+    pub fn has_file(&self, slot: u32) -> bool {
+        self.files.lock()[slot as usize].is_some()
     }
 
     /// Every open data file (for `fdatasync`).

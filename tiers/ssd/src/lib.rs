@@ -280,6 +280,7 @@ pub fn open(
     health: &HealthBoard,
 ) -> anyhow::Result<SsdTier> {
     config.check()?;
+    raise_open_file_limit();
     let dirs = open_dirs(config)?;
     let (threads, bytes, align) = engine_shape(config, &dirs);
     let (engine, fallback) = io::start(
@@ -314,6 +315,30 @@ pub fn open_with_engine(
     let dirs = open_dirs(config)?;
     let metrics = metrics::SsdMetrics::new(registry);
     Ok(build_tier(config, dirs, engine, metrics, health))
+}
+
+/// A directory store keeps one descriptor per segment file open (2,048 per path at the
+/// defaults): raise the soft limit on open files to the hard one (systemd's soft default is
+/// 1,024), once.
+fn raise_open_file_limit() {
+    use rustix::process::{getrlimit, setrlimit, Resource, Rlimit};
+    let l = getrlimit(Resource::Nofile);
+    if let Some(max) = l.maximum {
+        if l.current.is_some_and(|c| c < max) {
+            let r = setrlimit(
+                Resource::Nofile,
+                Rlimit {
+                    current: Some(max),
+                    maximum: Some(max),
+                },
+            );
+            tracing::debug!(
+                to = max,
+                ok = r.is_ok(),
+                "raised the open-file limit for the SSD tier"
+            );
+        }
+    }
 }
 
 /// Engine options that fit `dirs`: threads, staging-buffer bytes, memory alignment.

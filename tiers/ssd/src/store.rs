@@ -394,7 +394,19 @@ impl Inner {
         }
         let (d, slot) = match best {
             Some((d, _)) => {
-                let s = st.segs[d].iter().position(|m| m.state == SegState::Free)? as u32;
+                // A slot whose file is already preallocated first (no fallocate, no ENOSPC).
+                let dir = &self.dirs[d];
+                let free: Vec<usize> = st.segs[d]
+                    .iter()
+                    .enumerate()
+                    .filter(|(_, m)| m.state == SegState::Free)
+                    .map(|(i, _)| i)
+                    .collect();
+                let s = free
+                    .iter()
+                    .copied()
+                    .find(|&i| dir.has_file(i as u32))
+                    .or(free.first().copied())? as u32;
                 (d, s)
             }
             None => {
@@ -566,25 +578,39 @@ impl Inner {
         };
         let _inflight = GaugeGuard::new(&self.metrics.write_inflight);
         // A stream: try each without waiting, else wait for the next in turn.
+        // A free stream, preferring one with an open segment (a stream opens a segment only
+        // when the others are busy: no more segments in use than writes need).
         let start = self.next_stream.fetch_add(1, Ordering::Relaxed);
         let mut guard = None;
+        let mut idle = None;
         for i in 0..self.streams.len() {
             if let Ok(g) = self.streams[(start + i) % self.streams.len()].try_lock() {
-                guard = Some(g);
-                break;
+                if g.open.is_some() {
+                    guard = Some(g);
+                    break;
+                }
+                if idle.is_none() {
+                    idle = Some(g);
+                }
             }
         }
+        let guard = guard.or(idle);
         let mut stream = match guard {
             Some(g) => g,
             None => self.streams[start % self.streams.len()].lock().await,
         };
         let mut retried_nospace = false;
         loop {
-            // Room in the open segment (records, their summary entries, the footer)?
-            let total: u64 = items.iter().map(|i| i.rec_len).sum();
+            // Room in the open segment (records padded to its directory's alignment, their
+            // summary entries, the footer)?
             let sum_add: usize = items.iter().map(|i| summary_entry_len(&i.header)).sum();
+            let total_in =
+                |dir: &Dir| -> u64 { items.iter().map(|i| i.header.record_len(dir.align)).sum() };
             let fits = |s: &OpenSeg, dir: &Dir| {
-                s.pos + total + align_up((s.summary_bytes + sum_add) as u64, dir.align) + dir.align
+                s.pos
+                    + total_in(dir)
+                    + align_up((s.summary_bytes + sum_add) as u64, dir.align)
+                    + dir.align
                     <= dir.segment_size
             };
             let need_new = match &stream.open {
@@ -603,10 +629,11 @@ impl Inner {
                         let dir = &self.dirs[s.dir];
                         if !fits(&s, dir) {
                             // Larger than an empty segment: never fits.
+                            let total = total_in(dir);
                             stream.open = Some(s);
                             return vec![
                                 Err(TierError::Full(format!(
-                                    "a {total}-byte record does not fit in a {}-byte SSD segment",
+                                    "{total} bytes of records do not fit in a {}-byte SSD segment",
                                     dir.segment_size
                                 )));
                                 n
@@ -619,9 +646,12 @@ impl Inner {
             }
             let seg = stream.open.as_mut().expect("an open segment");
             let d = seg.dir;
+            let align = self.dirs[d].align;
             for it in items.iter_mut() {
                 it.header.generation = seg.generation;
+                it.rec_len = it.header.record_len(align);
             }
+            let total: u64 = items.iter().map(|i| i.rec_len).sum();
             // Lay the records out and encode them on the I/O thread.
             let mut layout = Vec::with_capacity(items.len());
             let mut off = 0u64;
@@ -659,11 +689,12 @@ impl Inner {
                         });
                         let _ = len;
                     }
-                    {
+                    let indexed = {
                         let mut st = self.state.lock();
                         let st = &mut *st;
                         let m = &mut st.segs[d][slot as usize];
-                        if m.generation == gen {
+                        let live = m.generation == gen && m.state != SegState::Free;
+                        if live {
                             for (it, (o, _, _, len)) in items.iter().zip(&layout) {
                                 m.keys.push(it.key.clone());
                                 m.bytes += len;
@@ -681,6 +712,17 @@ impl Inner {
                                 );
                             }
                         }
+                        live
+                    };
+                    if !indexed {
+                        // The directory left service (or the segment was evicted) while the
+                        // write ran: nothing of it is served, so nothing is acknowledged.
+                        return vec![
+                            Err(TierError::Unavailable(
+                                "SSD segment left service during the write".into()
+                            ));
+                            n
+                        ];
                     }
                     self.metrics.write_bytes.inc_by(total);
                     if secs > 0.0 {
@@ -797,19 +839,34 @@ impl Inner {
                 Ok(())
             }
             Ok(Err(why)) => {
+                {
+                    // The segment was evicted (and perhaps reused) while the read waited: a
+                    // miss, not a corrupt record.
+                    let st = self.state.lock();
+                    let m = &st.segs[loc.dir][loc.slot as usize];
+                    if m.generation != loc.generation || m.state == SegState::Free {
+                        return Err(TierError::NotFound);
+                    }
+                }
                 self.metrics.corrupt_records.inc();
                 self.metrics.prefetch_failures.inc();
                 tracing::warn!(path = %dir.path.display(), slot = loc.slot, offset = loc.offset, why, "SSD record failed its checks; dropped");
                 let mut st = self.state.lock();
-                if st.index.get(&r.key).is_some_and(|l| {
-                    l.dir == loc.dir && l.slot == loc.slot && l.offset == loc.offset
-                }) {
+                if st.index.get(&r.key).is_some_and(|l| same_record(l, &loc)) {
                     st.index.remove(&r.key);
                 }
                 Err(TierError::Corrupt(why))
             }
             Err(e) => {
                 self.metrics.prefetch_failures.inc();
+                // An unreadable record is dropped (a bad sector is not asked for again); the
+                // directory's error count decides whether the whole path leaves service.
+                {
+                    let mut st = self.state.lock();
+                    if st.index.get(&r.key).is_some_and(|l| same_record(l, &loc)) {
+                        st.index.remove(&r.key);
+                    }
+                }
                 self.dir_error(loc.dir, "read", &e);
                 Err(unavailable("read", &e))
             }
@@ -826,10 +883,21 @@ impl Inner {
         for slot in 0..dir.slots {
             let (file, base) = match dir.slot_file(slot, false) {
                 Ok(x) => x,
-                Err(_) => continue,
+                Err(e) if e.kind() == io::ErrorKind::NotFound => continue,
+                Err(e) => {
+                    // Its records are not indexed now; the slot may be reused.
+                    self.metrics.error("recover", &e);
+                    tracing::warn!(path = %dir.path.display(), slot, error = %e, "SSD segment cannot be opened at recovery; its blocks are not served");
+                    continue;
+                }
             };
-            let Ok(hb) = read_vec(&*self.engine, file.clone(), base, align as usize).await else {
-                continue;
+            let hb = match read_vec(&*self.engine, file.clone(), base, align as usize).await {
+                Ok(b) => b,
+                Err(e) => {
+                    self.metrics.error("recover", &e);
+                    tracing::warn!(path = %dir.path.display(), slot, error = %e, "SSD segment header unreadable at recovery; its blocks are not served");
+                    continue;
+                }
             };
             let Ok(sh) = SegmentHeader::decode(&hb) else {
                 continue;
@@ -965,6 +1033,10 @@ impl Inner {
     }
 }
 
+fn same_record(a: &Loc, b: &Loc) -> bool {
+    a.dir == b.dir && a.slot == b.slot && a.generation == b.generation && a.offset == b.offset
+}
+
 /// Encodes records into a staging buffer: `(offset, header bytes, block, record length)`.
 fn encode_records(b: &mut [u8], layout: &[(u64, Vec<u8>, Arc<SealedBlock>, u64)]) {
     for (off, header, block, rec_len) in layout {
@@ -1040,6 +1112,14 @@ impl Tier for SsdTier {
         let mut chunks: Vec<(Vec<usize>, Vec<ChunkItem>)> = Vec::new();
         let mut cur: (Vec<usize>, Vec<ChunkItem>, u64) = (Vec::new(), Vec::new(), 0);
         let align = self.dirs.iter().map(|d| d.align).max().unwrap_or(4096);
+        // A chunk never outgrows a quarter of the smallest segment (small stores).
+        let chunk_cap = self
+            .dirs
+            .iter()
+            .map(|d| d.segment_size / 4)
+            .min()
+            .unwrap_or(u64::MAX)
+            .min(self.settings.write_chunk);
         {
             let st = self.state.lock();
             for (i, p) in blocks.into_iter().enumerate() {
@@ -1054,7 +1134,7 @@ impl Tier for SsdTier {
                     shape: p.block.shape(),
                 };
                 let rec_len = header.record_len(align);
-                if cur.2 > 0 && cur.2 + rec_len > self.settings.write_chunk {
+                if cur.2 > 0 && cur.2 + rec_len > chunk_cap {
                     let (a, b, _) = std::mem::take(&mut cur);
                     chunks.push((a, b));
                 }

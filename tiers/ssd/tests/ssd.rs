@@ -669,3 +669,41 @@ async fn the_layout_is_part_of_the_record_and_a_shape_mismatch_is_refused() {
         .await;
     assert!(matches!(r[0], Err(TierError::Corrupt(_))), "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn second_sighting_admits_a_block_wanted_before_it_is_saved() {
+    use pegaflow_runtime::layers::{AdmissionConfig, AdmissionTier};
+    use pegaflow_runtime::plugin::LayerContext;
+    let d = tempfile::tempdir().unwrap();
+    let metrics = Arc::new(pegaflow_runtime::metrics::Metrics::new());
+    let t: Arc<dyn Tier> = Arc::new(AdmissionTier::new(
+        Arc::new(open(&config(d.path(), IoChoice::Posix))),
+        &AdmissionConfig::default(),
+        LayerContext {
+            metrics: metrics.clone(),
+            wrapped_kind: "ssd",
+        },
+    ));
+    let put = |i: u64| TierPut {
+        key: key("ns", i),
+        block: scattered_block(i, &[4096]),
+    };
+    // Asked for (twice: a request re-polled before its save) and missing, then saved.
+    for _ in 0..2 {
+        assert!(t
+            .lookup(&[key("ns", 1), key("ns", 2)])
+            .await
+            .unwrap()
+            .is_empty());
+    }
+    t.put(vec![put(1)]).await[0].clone().unwrap();
+    t.put(vec![put(2)]).await[0].clone().unwrap();
+    // Saved blindly: the first write is refused, the second admitted.
+    assert!(matches!(
+        t.put(vec![put(3)]).await[0],
+        Err(TierError::Full(_))
+    ));
+    t.put(vec![put(3)]).await[0].clone().unwrap();
+    assert_eq!(metrics.cache_block_admissions.get(), 3);
+    assert_eq!(metrics.cache_block_admission_rejections.get(), 1);
+}

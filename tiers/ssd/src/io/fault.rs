@@ -2,7 +2,7 @@
 //! engine's life) fails with EIO or ENOSPC, comes back short, or is torn — only its first
 //! half reaches the file while the engine reports success (a device that lies; the records'
 //! checksums must catch it). Reads can fail with EIO. Tests drive the SSD tier's recovery
-//! and degraded paths with it; the pipeline can too (`fault_writes` in the tier's table).
+//! and degraded paths with it (`pegaflow_tier_ssd::open_with_engine`).
 
 use std::collections::HashMap;
 use std::fs::File;

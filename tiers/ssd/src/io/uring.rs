@@ -167,7 +167,7 @@ async fn write(
         Some(pool) => {
             // The pool hands out buffers by exact capacity: ask for a whole staging buffer.
             let mut fb = pool.next(opts.buffer_bytes).await;
-            // SAFETY: the buffer holds at least `len` bytes (`next(len)`), initialised
+            // SAFETY: the buffer holds `buffer_bytes >= len` bytes, initialised
             // (zeroed at allocation), and this task owns it until the write returns it.
             let s = unsafe { std::slice::from_raw_parts_mut(fb.stable_mut_ptr(), len) };
             fill(s);
