@@ -52,6 +52,19 @@ impl TestServer {
 
     /// Like [`TestServer::start`], letting `edit` change the pipeline before start-up.
     pub async fn start_with(opts: ServerOptions, edit: impl FnOnce(&mut PipelineConfig)) -> Self {
+        Self::try_start_with(opts, edit)
+            .await
+            .expect("server starts")
+    }
+
+    /// Like [`TestServer::start_with`], returning start-up failures instead of panicking.
+    ///
+    /// # Errors
+    /// Whatever [`pegaflow_runtime::start`] refuses (a bad pipeline, a tier that cannot open).
+    pub async fn try_start_with(
+        opts: ServerOptions,
+        edit: impl FnOnce(&mut PipelineConfig),
+    ) -> anyhow::Result<Self> {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("fd.sock");
         let mut p = PipelineConfig::embedded_default();
@@ -66,12 +79,17 @@ impl TestServer {
             toml::Value::Integer(opts.capacity_bytes as i64),
         );
         edit(&mut p);
-        let handle = pegaflow_runtime::start(p).await.expect("server starts");
-        Self {
+        let handle = pegaflow_runtime::start(p).await?;
+        Ok(Self {
             handle,
             socket,
             _dir: dir,
-        }
+        })
+    }
+
+    /// Stops the server ([`ServerHandle::shutdown`]) and removes its temp dir.
+    pub async fn shutdown(self) {
+        self.handle.shutdown().await;
     }
 
     /// Wraps a server started elsewhere (e.g. from a shipped pipeline) whose side channel is at
@@ -131,12 +149,26 @@ impl KvShape {
     }
 }
 
+/// How a test cache places the K and V segments of a block inside each layer's tensor.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub enum KvArrangement {
+    /// KV-first `[2, num_blocks, segment_bytes]`: K and V of a block are `num_blocks *
+    /// segment_bytes` apart, registered as `segments: 2` (what [`KvShape::offset`] addresses).
+    #[default]
+    Split,
+    /// Block-first `[num_blocks, 2, segment_bytes]`: a block's K and V are adjacent, one range
+    /// of `2 * segment_bytes`, registered as `segments: 1`.
+    Contiguous,
+}
+
 /// A worker's host-memfd KV cache.
 pub struct KvCache {
     /// The memory.
     pub mem: HostMemfd,
     /// Its shape.
     pub shape: KvShape,
+    /// Where K and V of a block live in each layer (split unless built otherwise).
+    pub arrangement: KvArrangement,
 }
 
 /// Deterministic content of (hash, layer, segment): what a saved block must hold.
@@ -163,9 +195,26 @@ pub fn hash_of(tag: &str, i: usize) -> Vec<u8> {
 impl KvCache {
     /// A zeroed cache.
     pub fn new(shape: KvShape) -> Self {
+        Self::with_arrangement(shape, KvArrangement::Split)
+    }
+
+    /// A zeroed cache whose layers are laid out as `arrangement` says.
+    pub fn with_arrangement(shape: KvShape, arrangement: KvArrangement) -> Self {
         Self {
             mem: HostMemfd::new("test-kv", shape.total_bytes()).expect("memfd"),
             shape,
+            arrangement,
+        }
+    }
+
+    /// Offset of segment `s` (0 = K, 1 = V) of block `b` of layer `l` in the memfd.
+    pub fn segment_offset(&self, l: usize, b: usize, s: usize) -> usize {
+        match self.arrangement {
+            KvArrangement::Split => self.shape.offset(l, b, s),
+            KvArrangement::Contiguous => {
+                let seg = self.shape.segment_bytes;
+                l * self.shape.layer_bytes() + b * 2 * seg + s * seg
+            }
         }
     }
 
@@ -173,7 +222,7 @@ impl KvCache {
     pub fn fill(&mut self, b: usize, hash: &[u8]) {
         for l in 0..self.shape.layers {
             for s in 0..2 {
-                let o = self.shape.offset(l, b, s);
+                let o = self.segment_offset(l, b, s);
                 let p = pattern(hash, l, s, self.shape.segment_bytes);
                 self.mem.as_mut_slice()[o..o + p.len()].copy_from_slice(&p);
             }
@@ -184,7 +233,7 @@ impl KvCache {
     pub fn poison(&mut self, b: usize, byte: u8) {
         for l in 0..self.shape.layers {
             for s in 0..2 {
-                let o = self.shape.offset(l, b, s);
+                let o = self.segment_offset(l, b, s);
                 self.mem.as_mut_slice()[o..o + self.shape.segment_bytes].fill(byte);
             }
         }
@@ -194,7 +243,7 @@ impl KvCache {
     pub fn holds(&self, b: usize, hash: &[u8]) -> bool {
         (0..self.shape.layers).all(|l| {
             (0..2).all(|s| {
-                let o = self.shape.offset(l, b, s);
+                let o = self.segment_offset(l, b, s);
                 self.mem.as_slice()[o..o + self.shape.segment_bytes]
                     == pattern(hash, l, s, self.shape.segment_bytes)[..]
             })
@@ -205,7 +254,7 @@ impl KvCache {
     pub fn is_filled_with(&self, b: usize, byte: u8) -> bool {
         (0..self.shape.layers).all(|l| {
             (0..2).all(|s| {
-                let o = self.shape.offset(l, b, s);
+                let o = self.segment_offset(l, b, s);
                 self.mem.as_slice()[o..o + self.shape.segment_bytes]
                     .iter()
                     .all(|&x| x == byte)
@@ -232,14 +281,25 @@ impl KvCache {
             pp_rank: 0,
             device_id,
             layers: (0..s.layers)
-                .map(|l| NativeLayer {
-                    name: KvShape::layer_name(l),
-                    num_blocks: s.num_blocks as u64,
-                    bytes_per_block: s.segment_bytes as u64,
-                    segments: 2,
-                    kv_stride_bytes: (s.num_blocks * s.segment_bytes) as u64,
-                    offset_bytes: (l * s.layer_bytes()) as u64,
-                    block_stride_bytes: s.segment_bytes as u64,
+                .map(|l| match self.arrangement {
+                    KvArrangement::Split => NativeLayer {
+                        name: KvShape::layer_name(l),
+                        num_blocks: s.num_blocks as u64,
+                        bytes_per_block: s.segment_bytes as u64,
+                        segments: 2,
+                        kv_stride_bytes: (s.num_blocks * s.segment_bytes) as u64,
+                        offset_bytes: (l * s.layer_bytes()) as u64,
+                        block_stride_bytes: s.segment_bytes as u64,
+                    },
+                    KvArrangement::Contiguous => NativeLayer {
+                        name: KvShape::layer_name(l),
+                        num_blocks: s.num_blocks as u64,
+                        bytes_per_block: (2 * s.segment_bytes) as u64,
+                        segments: 1,
+                        kv_stride_bytes: 0,
+                        offset_bytes: (l * s.layer_bytes()) as u64,
+                        block_stride_bytes: (2 * s.segment_bytes) as u64,
+                    },
                 })
                 .collect(),
             layer_group_ids: vec![],
@@ -298,7 +358,16 @@ impl Worker {
         shape: KvShape,
         reg: NativeRegistration,
     ) -> Result<Self, pegaflow_api::ApiError> {
-        let kv = KvCache::new(shape);
+        Self::register_cache(server, KvCache::new(shape), reg).await
+    }
+
+    /// Registers the given cache (any [`KvArrangement`]) with a registration the caller
+    /// shaped, typically `kv.registration(..)` with edits.
+    pub async fn register_cache(
+        server: &TestServer,
+        kv: KvCache,
+        reg: NativeRegistration,
+    ) -> Result<Self, pegaflow_api::ApiError> {
         let mut client = server.client().await;
         client
             .register_host_memfd(&server.socket, &reg, &kv.mem)

@@ -50,6 +50,7 @@ struct Shared {
 /// The demotion queue and its worker.
 pub(super) struct Demoter {
     shared: Arc<Shared>,
+    worker: Mutex<Option<tokio::task::JoinHandle<()>>>,
 }
 
 impl Demoter {
@@ -69,8 +70,11 @@ impl Demoter {
             tier,
             stack,
         });
-        tokio::spawn(worker(shared.clone()));
-        Self { shared }
+        let handle = tokio::spawn(worker(shared.clone()));
+        Self {
+            shared,
+            worker: Mutex::new(Some(handle)),
+        }
     }
 
     fn count(&self, outcome: &str, n: u64) {
@@ -207,6 +211,18 @@ impl Demoter {
         }
         self.shared.work.notify_one();
         self.shared.idle.notify_waiters();
+    }
+}
+
+impl Demoter {
+    /// Waits for the worker to end (after [`Demoter::stop`]): its write in flight completes
+    /// and it lets go of the tier, so a tier that holds a lock (an SSD directory) is free
+    /// again once this returns.
+    pub(super) async fn join(&self) {
+        let h = self.worker.lock().take();
+        if let Some(h) = h {
+            let _ = h.await;
+        }
     }
 }
 

@@ -493,6 +493,15 @@ impl TierStack {
             d.stop();
         }
     }
+
+    /// [`TierStack::stop`], then waits for the demotion worker's write in flight to end, so
+    /// that the worker no longer holds the lower tier when this returns.
+    pub async fn stop_and_join(&self) {
+        self.stop();
+        if let Some(d) = &self.demoter {
+            d.join().await;
+        }
+    }
 }
 
 #[cfg(test)]
