@@ -59,6 +59,9 @@ struct Args {
     /// Keep the directory.
     #[arg(long)]
     keep: bool,
+    /// First block key (a second run with --keep and a new range overwrites reused segments).
+    #[arg(long, default_value_t = 0)]
+    first_key: u64,
 }
 
 fn parse_size_arg(s: &str) -> Result<u64, String> {
@@ -85,7 +88,7 @@ fn buffer(len: usize, fill: u8) -> HostBuffer {
     HostBuffer::new(vec![e], mem)
 }
 
-fn key(i: u64) -> BlockKey {
+fn key_of(i: u64) -> BlockKey {
     BlockKey {
         namespace: "bench".into(),
         group: 0,
@@ -159,7 +162,7 @@ fn main() -> anyhow::Result<()> {
             let m = (n - i).min(a.batch as u64);
             let puts: Vec<TierPut> = (0..m)
                 .map(|j| TierPut {
-                    key: key(i + j),
+                    key: key_of(a.first_key + i + j),
                     block: sources[j as usize].clone(),
                 })
                 .collect();
@@ -198,7 +201,7 @@ fn main() -> anyhow::Result<()> {
             let m = (n - i).min(a.batch as u64);
             let gets: Vec<TierGet> = (0..m)
                 .map(|j| TierGet {
-                    key: key(i + j),
+                    key: key_of(a.first_key + i + j),
                     shape: shape.clone(),
                     dest: dests[j as usize].clone(),
                 })
