@@ -74,6 +74,24 @@ pub struct DirOptions {
     pub direct: bool,
 }
 
+/// What the filesystem under a path offers (read once in [`Dir::open`]).
+#[derive(Debug, Clone, Copy)]
+struct Probe {
+    align: u64,
+    mem_align: u64,
+    free: u64,
+    reserve: u64,
+}
+
+/// What opening a store found or made, before it becomes a [`Dir`].
+struct Opened {
+    layout: Layout,
+    sb: Superblock,
+    slots: u32,
+    direct: bool,
+    files: Vec<Option<Arc<File>>>,
+}
+
 fn lock_path(path: &Path, is_file: bool) -> PathBuf {
     if is_file {
         let mut p = path.as_os_str().to_owned();
@@ -157,42 +175,42 @@ impl Dir {
         let (free, fs_size) = device::space(&fs_dir)
             .with_context(|| format!("cannot read free space of {}", fs_dir.display()))?;
         let reserve = opts.reserve.min(fs_size / 20);
-        if is_file {
-            Self::open_file(
-                path,
-                opts,
-                lock,
-                align,
-                mem_align,
-                align_source,
-                free,
-                reserve,
-            )
+        let probe = Probe {
+            align,
+            mem_align,
+            free,
+            reserve,
+        };
+        let o = if is_file {
+            Self::open_file(path, opts, &probe)?
         } else {
-            Self::open_dir(
-                path,
-                opts,
-                lock,
-                align,
-                mem_align,
-                align_source,
-                free,
-                reserve,
-            )
-        }
+            Self::open_dir(path, opts, &probe)?
+        };
+        let align = u64::from(o.sb.align);
+        Ok(Self {
+            path: path.to_path_buf(),
+            layout: o.layout,
+            align,
+            mem_align: mem_align.max(align),
+            segment_size: o.sb.segment_size,
+            slots: o.slots,
+            store_id: o.sb.store_id,
+            direct: o.direct,
+            align_source,
+            files: Mutex::new(o.files),
+            _lock: lock,
+            errors: AtomicU32::new(0),
+            degraded: AtomicBool::new(false),
+        })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn open_dir(
-        path: &Path,
-        opts: DirOptions,
-        lock: File,
-        align: u64,
-        mem_align: u64,
-        align_source: &'static str,
-        free: u64,
-        reserve: u64,
-    ) -> anyhow::Result<Self> {
+    fn open_dir(path: &Path, opts: DirOptions, probe: &Probe) -> anyhow::Result<Opened> {
+        let Probe {
+            align,
+            free,
+            reserve,
+            ..
+        } = *probe;
         // Space already ours: the segment files present.
         let mut held = 0u64;
         for e in std::fs::read_dir(path)?.flatten() {
@@ -237,7 +255,6 @@ impl Dir {
                 sb.align
             );
         }
-        let align = u64::from(sb.align);
         let slots = (cap / sb.segment_size) as u32;
         if slots == 0 {
             bail!(
@@ -267,34 +284,22 @@ impl Dir {
         if opts.direct && !direct {
             tracing::warn!(path = %path.display(), "the filesystem refuses O_DIRECT; the SSD tier uses the page cache");
         }
-        Ok(Self {
-            path: path.to_path_buf(),
+        Ok(Opened {
             layout: Layout::Directory,
-            align,
-            mem_align: mem_align.max(align),
-            segment_size: sb.segment_size,
+            sb,
             slots,
-            store_id: sb.store_id,
             direct,
-            align_source,
-            files: Mutex::new(vec![None; slots as usize]),
-            _lock: lock,
-            errors: AtomicU32::new(0),
-            degraded: AtomicBool::new(false),
+            files: vec![None; slots as usize],
         })
     }
 
-    #[allow(clippy::too_many_arguments)]
-    fn open_file(
-        path: &Path,
-        opts: DirOptions,
-        lock: File,
-        align: u64,
-        mem_align: u64,
-        align_source: &'static str,
-        free: u64,
-        reserve: u64,
-    ) -> anyhow::Result<Self> {
+    fn open_file(path: &Path, opts: DirOptions, probe: &Probe) -> anyhow::Result<Opened> {
+        let Probe {
+            align,
+            mem_align,
+            free,
+            reserve,
+        } = *probe;
         let (file, direct) = device::open_data(path, false, opts.direct)
             .with_context(|| format!("cannot open the SSD cache file {}", path.display()))?;
         let len = file.metadata()?.len();
@@ -364,23 +369,15 @@ impl Dir {
             );
         }
         let file = Arc::new(file);
-        Ok(Self {
-            path: path.to_path_buf(),
+        Ok(Opened {
             layout: Layout::File {
                 file: file.clone(),
                 base: FILE_BASE,
             },
-            align: u64::from(sb.align),
-            mem_align: mem_align.max(u64::from(sb.align)),
-            segment_size: sb.segment_size,
+            sb,
             slots,
-            store_id: sb.store_id,
             direct,
-            align_source,
-            files: Mutex::new(vec![Some(file); slots as usize]),
-            _lock: lock,
-            errors: AtomicU32::new(0),
-            degraded: AtomicBool::new(false),
+            files: vec![Some(file); slots as usize],
         })
     }
 

@@ -1166,7 +1166,7 @@ impl Tier for SsdTier {
                 })
             })
             .collect();
-        for t in futures_join(tasks).await {
+        for t in futures::future::join_all(tasks).await {
             match t {
                 Ok((idx, rs)) => {
                     for (i, r) in idx.into_iter().zip(rs) {
@@ -1200,7 +1200,7 @@ impl Tier for SsdTier {
             let me = self.inner.clone();
             async move { me.read_one(r).await }
         });
-        futures_join(futs).await
+        futures::future::join_all(futs).await
     }
 
     async fn remove(&self, keys: &[BlockKey]) -> Result<u64, TierError> {
@@ -1235,7 +1235,7 @@ impl Tier for SsdTier {
         for d in 0..self.dirs.len() {
             per_dir.push(self.recover_dir(d));
         }
-        let found = futures_join(per_dir).await;
+        let found = futures::future::join_all(per_dir).await;
         let mut rec = Recovered::default();
         let mut max_gen = 0u64;
         let mut max_seq = 0u64;
@@ -1348,9 +1348,4 @@ impl Drop for Decrement<'_> {
     fn drop(&mut self) {
         self.0.fetch_sub(1, Ordering::AcqRel);
     }
-}
-
-/// Runs the futures concurrently and returns their outputs in order.
-async fn futures_join<F: std::future::Future>(futs: impl IntoIterator<Item = F>) -> Vec<F::Output> {
-    futures::future::join_all(futs).await
 }

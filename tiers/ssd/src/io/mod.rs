@@ -250,6 +250,73 @@ pub(crate) fn short(what: &str, done: usize, want: usize) -> io::Error {
     io::Error::new(kind, format!("short {what}: {done} of {want} bytes"))
 }
 
+/// `Ok` only when the transfer (`what`: "write" or "read") moved exactly `len` bytes.
+pub(crate) fn exact(r: io::Result<usize>, what: &str, len: usize) -> io::Result<()> {
+    match r {
+        Ok(n) if n == len => Ok(()),
+        Ok(n) => Err(short(what, n, len)),
+        Err(e) => Err(e),
+    }
+}
+
+/// One I/O handed to an engine's threads, with the channel its result goes back on.
+pub(crate) enum Job {
+    Write {
+        file: Arc<File>,
+        offset: u64,
+        len: usize,
+        fill: Fill,
+        reply: tokio::sync::oneshot::Sender<io::Result<()>>,
+    },
+    Read {
+        file: Arc<File>,
+        offset: u64,
+        len: usize,
+        consume: Consume,
+        reply: tokio::sync::oneshot::Sender<io::Result<ConsumeResult>>,
+    },
+}
+
+/// [`IoEngine::write`] for an engine whose threads take [`Job`]s through `send`.
+pub(crate) async fn submit_write(
+    send: impl FnOnce(Job) -> io::Result<()>,
+    file: Arc<File>,
+    offset: u64,
+    len: usize,
+    fill: Fill,
+) -> io::Result<()> {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    send(Job::Write {
+        file,
+        offset,
+        len,
+        fill,
+        reply,
+    })?;
+    rx.await
+        .map_err(|_| io::Error::other("SSD I/O thread dropped the write"))?
+}
+
+/// [`IoEngine::read`] for an engine whose threads take [`Job`]s through `send`.
+pub(crate) async fn submit_read(
+    send: impl FnOnce(Job) -> io::Result<()>,
+    file: Arc<File>,
+    offset: u64,
+    len: usize,
+    consume: Consume,
+) -> io::Result<ConsumeResult> {
+    let (reply, rx) = tokio::sync::oneshot::channel();
+    send(Job::Read {
+        file,
+        offset,
+        len,
+        consume,
+        reply,
+    })?;
+    rx.await
+        .map_err(|_| io::Error::other("SSD I/O thread dropped the read"))?
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

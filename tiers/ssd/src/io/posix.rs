@@ -8,28 +8,12 @@ use std::os::unix::fs::FileExt;
 use std::sync::mpsc;
 use std::sync::Arc;
 
+use super::{
+    exact, submit_read, submit_write, AlignedBuf, Consume, ConsumeResult, EngineOptions, Fill,
+    IoEngine, Job,
+};
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use tokio::sync::oneshot;
-
-use super::{short, AlignedBuf, Consume, ConsumeResult, EngineOptions, Fill, IoEngine};
-
-enum Job {
-    Write {
-        file: Arc<File>,
-        offset: u64,
-        len: usize,
-        fill: Fill,
-        reply: oneshot::Sender<io::Result<()>>,
-    },
-    Read {
-        file: Arc<File>,
-        offset: u64,
-        len: usize,
-        consume: Consume,
-        reply: oneshot::Sender<io::Result<ConsumeResult>>,
-    },
-}
 
 /// `pread`/`pwrite` threads.
 pub struct PosixIo {
@@ -79,6 +63,22 @@ impl Drop for PosixIo {
     }
 }
 
+/// The first `len` bytes of the reused staging buffer, or of one of the transfer's own (kept
+/// in `own`) when it is larger.
+fn buffer<'a>(
+    staging: &'a mut AlignedBuf,
+    own: &'a mut Option<AlignedBuf>,
+    len: usize,
+    align: usize,
+) -> &'a mut [u8] {
+    let b = if len <= staging.len() {
+        staging
+    } else {
+        own.insert(AlignedBuf::new(len, align))
+    };
+    b.slice_mut(len)
+}
+
 fn worker(rx: &Mutex<mpsc::Receiver<Job>>, opts: EngineOptions) {
     let mut staging = AlignedBuf::new(opts.buffer_bytes, opts.mem_align);
     loop {
@@ -86,6 +86,7 @@ fn worker(rx: &Mutex<mpsc::Receiver<Job>>, opts: EngineOptions) {
             Ok(j) => j,
             Err(_) => return,
         };
+        let mut own = None;
         match job {
             Job::Write {
                 file,
@@ -94,21 +95,9 @@ fn worker(rx: &Mutex<mpsc::Receiver<Job>>, opts: EngineOptions) {
                 fill,
                 reply,
             } => {
-                let mut own;
-                let buf = if len <= staging.len() {
-                    &mut staging
-                } else {
-                    own = AlignedBuf::new(len, opts.mem_align);
-                    &mut own
-                };
-                let b = buf.slice_mut(len);
+                let b = buffer(&mut staging, &mut own, len, opts.mem_align);
                 fill(b);
-                let r = match file.write_at(b, offset) {
-                    Ok(n) if n == len => Ok(()),
-                    Ok(n) => Err(short("write", n, len)),
-                    Err(e) => Err(e),
-                };
-                let _ = reply.send(r);
+                let _ = reply.send(exact(file.write_at(b, offset), "write", len));
             }
             Job::Read {
                 file,
@@ -117,19 +106,8 @@ fn worker(rx: &Mutex<mpsc::Receiver<Job>>, opts: EngineOptions) {
                 consume,
                 reply,
             } => {
-                let mut own;
-                let buf = if len <= staging.len() {
-                    &mut staging
-                } else {
-                    own = AlignedBuf::new(len, opts.mem_align);
-                    &mut own
-                };
-                let b = buf.slice_mut(len);
-                let r = match file.read_at(b, offset) {
-                    Ok(n) if n == len => Ok(consume(b)),
-                    Ok(n) => Err(short("read", n, len)),
-                    Err(e) => Err(e),
-                };
+                let b = buffer(&mut staging, &mut own, len, opts.mem_align);
+                let r = exact(file.read_at(b, offset), "read", len).map(|()| consume(b));
                 let _ = reply.send(r);
             }
         }
@@ -143,16 +121,7 @@ impl IoEngine for PosixIo {
     }
 
     async fn write(&self, file: Arc<File>, offset: u64, len: usize, fill: Fill) -> io::Result<()> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::Write {
-            file,
-            offset,
-            len,
-            fill,
-            reply,
-        })?;
-        rx.await
-            .map_err(|_| io::Error::other("SSD I/O thread dropped the write"))?
+        submit_write(|j| self.send(j), file, offset, len, fill).await
     }
 
     async fn read(
@@ -162,15 +131,6 @@ impl IoEngine for PosixIo {
         len: usize,
         consume: Consume,
     ) -> io::Result<ConsumeResult> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::Read {
-            file,
-            offset,
-            len,
-            consume,
-            reply,
-        })?;
-        rx.await
-            .map_err(|_| io::Error::other("SSD I/O thread dropped the read"))?
+        submit_read(|j| self.send(j), file, offset, len, consume).await
     }
 }

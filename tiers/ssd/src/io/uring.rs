@@ -11,28 +11,14 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use tokio::sync::{mpsc, oneshot};
+use tokio::sync::mpsc;
 use tokio_uring::buf::fixed::FixedBufPool;
 use tokio_uring::buf::{BoundedBuf, IoBufMut};
 
-use super::{short, AlignedBuf, Consume, ConsumeResult, EngineOptions, Fill, IoEngine};
-
-enum Job {
-    Write {
-        file: Arc<File>,
-        offset: u64,
-        len: usize,
-        fill: Fill,
-        reply: oneshot::Sender<io::Result<()>>,
-    },
-    Read {
-        file: Arc<File>,
-        offset: u64,
-        len: usize,
-        consume: Consume,
-        reply: oneshot::Sender<io::Result<ConsumeResult>>,
-    },
-}
+use super::{
+    exact, submit_read, submit_write, AlignedBuf, Consume, ConsumeResult, EngineOptions, Fill,
+    IoEngine, Job,
+};
 
 /// io_uring threads.
 pub struct UringIo {
@@ -184,11 +170,7 @@ async fn write(
         }
     };
     let _ = f.close().await;
-    match n {
-        Ok(n) if n == len => Ok(()),
-        Ok(n) => Err(short("write", n, len)),
-        Err(e) => Err(e),
-    }
+    exact(n, "write", len)
 }
 
 async fn read(
@@ -204,20 +186,12 @@ async fn read(
         Some(pool) => {
             let fb = pool.next(opts.buffer_bytes).await;
             let (r, s) = f.read_fixed_at(fb.slice(0..len), offset).await;
-            match r {
-                Ok(n) if n == len => Ok(consume(&s[..len])),
-                Ok(n) => Err(short("read", n, len)),
-                Err(e) => Err(e),
-            }
+            exact(r, "read", len).map(|()| consume(&s[..len]))
         }
         None => {
             let b = AlignedBuf::new(len, opts.mem_align);
             let (r, s) = f.read_at(b.slice(0..len), offset).await;
-            match r {
-                Ok(n) if n == len => Ok(consume(&s[..len])),
-                Ok(n) => Err(short("read", n, len)),
-                Err(e) => Err(e),
-            }
+            exact(r, "read", len).map(|()| consume(&s[..len]))
         }
     };
     let _ = f.close().await;
@@ -231,16 +205,7 @@ impl IoEngine for UringIo {
     }
 
     async fn write(&self, file: Arc<File>, offset: u64, len: usize, fill: Fill) -> io::Result<()> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::Write {
-            file,
-            offset,
-            len,
-            fill,
-            reply,
-        })?;
-        rx.await
-            .map_err(|_| io::Error::other("SSD io_uring thread dropped the write"))?
+        submit_write(|j| self.send(j), file, offset, len, fill).await
     }
 
     async fn read(
@@ -250,15 +215,6 @@ impl IoEngine for UringIo {
         len: usize,
         consume: Consume,
     ) -> io::Result<ConsumeResult> {
-        let (reply, rx) = oneshot::channel();
-        self.send(Job::Read {
-            file,
-            offset,
-            len,
-            consume,
-            reply,
-        })?;
-        rx.await
-            .map_err(|_| io::Error::other("SSD io_uring thread dropped the read"))?
+        submit_read(|j| self.send(j), file, offset, len, consume).await
     }
 }
