@@ -267,6 +267,9 @@ pub struct PipelineConfig {
     /// `[store]`: the tier stack (demotion queue, promotion deadline).
     #[serde(default)]
     pub store: crate::store::StoreConfig,
+    /// `[directory]`: the cross-node block directory; absent = this node shares nothing.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub directory: Option<crate::cluster::DirectoryConfig>,
     /// `[peer]`: the delegate serving the server-to-server RPCs; absent = not configured.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub peer: Option<PluginConfig>,
@@ -404,12 +407,11 @@ pub struct Flags {
     /// One host allocation per block instead of one per batch.
     #[arg(long)]
     pub blockwise_alloc: bool,
-    /// MetaServer URL (e.g. http://host:50056) for the cross-node block directory.
-    #[arg(long, value_name = "URL")]
-    pub metaserver_addr: Option<String>,
-    /// MetaServer client queue depth. [default: 4096]
-    #[arg(long, value_name = "N")]
-    pub metaserver_queue_depth: Option<usize>,
+    /// Hashes the cross-node directory client keeps pending, netted per block, at most (the
+    /// `[directory]` setting `queue_depth`; PegaFlow counts batches here). Needs a directory
+    /// (--metaserver-addr or a [directory] table). [default: 65536]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub metaserver_queue_depth: Option<u64>,
     /// HyperLogLog windows for the miss-cardinality metrics. [default: 15m,1h,1d]
     #[arg(long, value_name = "LIST")]
     pub metric_hll_windows: Option<String>,
@@ -470,6 +472,10 @@ const PLACEHOLDER_FLAGS: &[(&str, &str)] = &[
     ("qps-per-peer", TRANSPORT),
     ("transfer-lock-timeout-secs", TRANSPORT),
     ("use-hugepages", "a landing tier that declares this flag"),
+    (
+        "metaserver-addr",
+        "a directory backend that declares this flag (the MetaServer client)",
+    ),
 ];
 const LOWER_TIER: &str = "an SSD tier (a tier below the landing tier that declares this flag)";
 const TRANSPORT: &str = "a cross-node transport that declares this flag";
@@ -578,10 +584,10 @@ impl clap::FromArgMatches for Cli {
 
 impl Parser for Cli {}
 
-/// The entries a flag of `d`'s factory applies to: the first `[[tier]]` of its kind, or every
-/// `[[transport]]` / `[[registrar]]` entry of its kind (an absent list, meaning every linked
-/// kind, is written out first).
-fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut PluginConfig> {
+/// The settings tables a flag of `d`'s factory applies to: the first `[[tier]]` of its kind,
+/// every `[[transport]]` / `[[registrar]]` entry of its kind (an absent list, meaning every
+/// linked kind, is written out first), or the `[directory]` when it is of its kind.
+fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut toml::Table> {
     fn all(
         list: &mut Option<Vec<PluginConfig>>,
         linked: impl Iterator<Item = &'static str>,
@@ -597,7 +603,7 @@ fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut 
         })
     }
     let kind = d.kind;
-    match d.section {
+    let entries: Vec<&mut PluginConfig> = match d.section {
         Section::Tier => p
             .tiers
             .iter_mut()
@@ -618,7 +624,17 @@ fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut 
         .iter_mut()
         .filter(|t| t.kind == kind)
         .collect(),
-    }
+        Section::Directory => {
+            return p
+                .directory
+                .as_mut()
+                .filter(|d| d.kind == kind)
+                .map(|d| &mut d.settings)
+                .into_iter()
+                .collect()
+        }
+    };
+    entries.into_iter().map(|e| &mut e.settings).collect()
 }
 
 impl Cli {
@@ -693,8 +709,19 @@ impl Cli {
                     settings: toml::Table::new(),
                 });
             }
+            if d.flag.adds_entry && d.section == Section::Directory && p.directory.is_none() {
+                p.directory = Some(crate::cluster::DirectoryConfig::of_kind(d.kind));
+            }
             let targets = flag_targets(&mut p, d);
             if targets.is_empty() {
+                if let (Section::Directory, Some(have)) = (d.section, &p.directory) {
+                    bail!(
+                        "--{} is a setting of the {} directory, and the pipeline's [directory] is of kind {:?}",
+                        d.flag.long,
+                        d.kind,
+                        have.kind
+                    );
+                }
                 bail!(
                     "--{} given but the pipeline has no {} {}",
                     d.flag.long,
@@ -703,8 +730,19 @@ impl Cli {
                 );
             }
             for t in targets {
-                t.settings.insert(d.flag.setting.into(), g.value.clone());
+                t.insert(d.flag.setting.into(), g.value.clone());
             }
+        }
+        if let Some(n) = a.metaserver_queue_depth {
+            match p.directory.as_mut() {
+                Some(d) => d.queue_depth = n as usize,
+                None => bail!(
+                    "--metaserver-queue-depth sets the directory client's queue, and this pipeline has no directory: give --metaserver-addr or a [directory] table"
+                ),
+            }
+        }
+        if let Some(d) = &p.directory {
+            d.validate()?;
         }
         if let Some(h) = a.hint_value_size {
             if h == 0 {
@@ -760,19 +798,8 @@ impl Flags {
     fn check_unsupported(&self) -> anyhow::Result<()> {
         // A backend brings a flag by declaring it (`FactoryFlag`); these are PegaFlow's flags
         // of backends no in-tree crate provides yet.
-        const METASERVER: &str = "the MetaServer client (cross-node directory)";
         const OTLP: &str = "an OTLP exporter (scrape /metrics instead)";
         let unsupported = [
-            (
-                self.metaserver_addr.is_some(),
-                "--metaserver-addr",
-                METASERVER,
-            ),
-            (
-                self.metaserver_queue_depth.is_some(),
-                "--metaserver-queue-depth",
-                METASERVER,
-            ),
             (
                 self.metrics_otel_endpoint.is_some(),
                 "--metrics-otel-endpoint",

@@ -7,6 +7,7 @@
 
 pub mod block;
 pub mod buffer;
+pub mod cluster;
 pub mod config;
 pub mod decode;
 pub mod engine;

@@ -10,14 +10,15 @@ use tokio::net::TcpListener;
 use tokio::sync::Notify;
 use tokio::task::JoinHandle;
 
+use crate::cluster::{ClusterDirectory, DirectoryConfig};
 use crate::config::PipelineConfig;
 use crate::engine::{Engine, EngineParts};
 use crate::fd_channel::{FdChannel, FdChannelLimits};
 use crate::metrics::Metrics;
 use crate::plugin::{
-    known_tiers, peer_service_factory, registrar_factory, tier_factory, transport_factory,
-    BuiltTier, HostPool, PayloadCarrier, PeerService, Registrar, RegistrarFactory, RuntimeContext,
-    Tier, Transport, TransportFactory,
+    directory_factory, known_tiers, peer_service_factory, registrar_factory, tier_factory,
+    transport_factory, BuiltTier, HostPool, NodeId, PayloadCarrier, PeerService, Registrar,
+    RegistrarFactory, RuntimeContext, Tier, Transport, TransportFactory,
 };
 use crate::service::EngineService;
 
@@ -31,6 +32,8 @@ pub struct ServerHandle {
     pub engine: Arc<Engine>,
     /// The side channel, when configured.
     pub fd_channel: Option<Arc<FdChannel>>,
+    /// The cross-node directory client, when `[directory]` is configured.
+    pub directory: Option<ClusterDirectory>,
     stop: Arc<Notify>,
     shutdown_requested: Arc<Notify>,
     tasks: Vec<JoinHandle<()>>,
@@ -66,6 +69,10 @@ impl ServerHandle {
 
     /// [`ServerHandle::shutdown`] with an explicit drain timeout.
     pub async fn shutdown_within(self, drain_timeout: std::time::Duration) {
+        // Leave the directory first: peers stop being sent here while the rest winds down.
+        if let Some(d) = &self.directory {
+            d.stop().await;
+        }
         self.stop.notify_waiters();
         // The first task is the housekeeping loop; the others are the gRPC and HTTP servers,
         // which finish in-flight requests (a Shutdown RPC's own answer among them) before they
@@ -136,6 +143,18 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         health: Default::default(),
     };
     let built = build_pipeline(&pipeline, &ctx, &metrics)?;
+    let directory = match &pipeline.directory {
+        Some(d) => {
+            let f = directory_factory(&d.kind)?;
+            let backend = (f.build)(&d.settings, &ctx)
+                .with_context(|| format!("cannot build the {:?} directory", d.kind))?;
+            Some((
+                backend,
+                advertised_addr(d, &pipeline.server.addr, grpc_addr),
+            ))
+        }
+        None => None,
+    };
     tracing::info!(
         pool = built.pool.kind(),
         capacity_bytes = built.pool.capacity_bytes(),
@@ -157,6 +176,18 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         fd_channel: fd_channel.clone(),
     })?;
     engine.store().recover().await?;
+    let directory = directory.map(|(backend, addr)| {
+        let config = pipeline.directory.clone().expect("built from [directory]");
+        tracing::info!(directory = backend.kind(), node = %addr, "joining the cross-node directory");
+        ClusterDirectory::start(
+            backend,
+            NodeId::new_session(addr),
+            config,
+            engine.store().clone(),
+            engine.metrics().registry(),
+            ctx.health.clone(),
+        )
+    });
 
     let stop = Arc::new(Notify::new());
     let shutdown_requested = Arc::new(Notify::new());
@@ -229,10 +260,36 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         http_addr,
         engine,
         fd_channel,
+        directory,
         stop,
         shutdown_requested,
         tasks,
     })
+}
+
+/// The `ip:port` this server advertises in the directory: `advertise_addr`, else the
+/// configured gRPC address (the bound one when its port is 0). Warns when peers on other
+/// hosts could not reach it (loopback or unspecified).
+fn advertised_addr(d: &DirectoryConfig, configured: &str, bound: SocketAddr) -> String {
+    let addr = match &d.advertise_addr {
+        Some(a) => a.clone(),
+        None => match configured.parse::<SocketAddr>() {
+            Ok(c) if c.port() == 0 => bound.to_string(),
+            _ => configured.to_string(),
+        },
+    };
+    match addr.parse::<SocketAddr>() {
+        Ok(a) if a.ip().is_unspecified() => tracing::warn!(
+            node = %addr,
+            "the advertised address is unspecified: peers cannot reach it; set [directory] advertise_addr"
+        ),
+        Ok(a) if a.ip().is_loopback() => tracing::warn!(
+            node = %addr,
+            "the advertised address is loopback: only peers on this host can reach it"
+        ),
+        _ => {}
+    }
+    addr
 }
 
 /// The backends of a pipeline, built and wired: layers applied, host memory installed into

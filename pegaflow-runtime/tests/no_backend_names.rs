@@ -22,6 +22,8 @@ const KINDS: &[&str] = &[
     "shm",
     "vmm",
     "heap-store",
+    "redis",
+    "metaserver",
 ];
 
 fn is_word_char(c: char) -> bool {

@@ -8,6 +8,7 @@
 //! `inventory::submit! { TierFactory { .. } }` (or the transport/registrar/layer equivalent)
 //! and is linked into a server binary; nothing in this crate changes.
 
+mod directory;
 mod layer;
 mod peer;
 mod pool;
@@ -17,6 +18,10 @@ mod transport;
 
 use std::sync::Arc;
 
+pub use directory::{
+    directory_factory, directory_namespace, known_directories, Directory, DirectoryBuild,
+    DirectoryError, DirectoryFactory, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix,
+};
 pub use layer::{
     known_layers, layer_factory, parse_layer_entry, wrap_tier, wrap_transport, LayerContext,
     LayerFactory, TierLayerBuild, TransportLayerBuild,
@@ -207,7 +212,8 @@ impl FlagValue {
 
 /// A command-line flag a factory declares: given, its value overrides one setting of the
 /// factory's pipeline entry (for a tier, the first `[[tier]]` of the factory's kind; for a
-/// transport or registrar, every entry of its kind). The runtime adds every linked factory's
+/// transport or registrar, every entry of its kind; for a directory, the `[directory]` table
+/// when it is of the factory's kind). The runtime adds every linked factory's
 /// flags to the command line, so a backend brings its flags without editing the runtime.
 #[derive(Debug, Clone, Copy)]
 pub struct FactoryFlag {
@@ -223,7 +229,8 @@ pub struct FactoryFlag {
     pub value: FlagValue,
     /// Given while the pipeline has no entry of the factory's kind, the flag adds one (a
     /// `[[tier]]` appended below the others, default settings) instead of failing: how
-    /// `--ssd-cache-path` turns the SSD tier on. Only tier flags may set it.
+    /// `--ssd-cache-path` turns the SSD tier on. A directory flag with it adds the
+    /// `[directory]` table when the pipeline has none. Transport and registrar flags ignore it.
     pub adds_entry: bool,
 }
 
@@ -397,6 +404,8 @@ pub enum Section {
     Transport,
     /// `[[registrar]]`.
     Registrar,
+    /// `[directory]`.
+    Directory,
 }
 
 impl Section {
@@ -406,6 +415,7 @@ impl Section {
             Section::Tier => "tier",
             Section::Transport => "transport",
             Section::Registrar => "registrar",
+            Section::Directory => "directory",
         }
     }
 }
@@ -421,7 +431,8 @@ pub struct DeclaredFlag {
     pub flag: &'static FactoryFlag,
 }
 
-/// Every flag the linked tier, transport and registrar factories declare, in that order.
+/// Every flag the linked tier, transport, registrar and directory factories declare, in that
+/// order.
 pub fn declared_flags() -> Vec<DeclaredFlag> {
     let mut v = Vec::new();
     let mut add = |section, kind, flags: &'static [FactoryFlag]| {
@@ -439,6 +450,9 @@ pub fn declared_flags() -> Vec<DeclaredFlag> {
     }
     for f in inventory::iter::<RegistrarFactory>() {
         add(Section::Registrar, f.kind, f.flags);
+    }
+    for f in inventory::iter::<DirectoryFactory>() {
+        add(Section::Directory, f.kind, f.flags);
     }
     v
 }
@@ -489,6 +503,12 @@ fn rows() -> Vec<(&'static str, Vec<Row>)> {
             "peer delegates ([peer] kind = ...: the server-to-server RPCs)",
             inventory::iter::<PeerServiceFactory>()
                 .map(|f| row(f.kind, f.summary, f.config, &[]))
+                .collect(),
+        ),
+        (
+            "directories ([directory] kind = ...: the cross-node block directory)",
+            inventory::iter::<DirectoryFactory>()
+                .map(|f| row(f.kind, f.summary, f.config, f.flags))
                 .collect(),
         ),
         (

@@ -273,6 +273,22 @@ impl BlockIndex {
         }
     }
 
+    /// Number of shards the keys are split over (for walking them with
+    /// [`BlockIndex::shard_keys`]).
+    pub fn shard_count(&self) -> usize {
+        self.shards.len()
+    }
+
+    /// The keys resident in shard `i` (`< shard_count()`; an index beyond yields none), in no
+    /// particular order: a snapshot, so a walk over all shards holds one shard's lock at a
+    /// time and sees each key at most once.
+    pub fn shard_keys(&self, i: usize) -> Vec<BlockKey> {
+        match self.shards.get(i) {
+            Some(s) => s.lock().map.keys().cloned().collect(),
+            None => Vec::new(),
+        }
+    }
+
     /// Footprint of resident blocks, in bytes.
     pub fn resident_bytes(&self) -> u64 {
         self.resident_bytes.load(Ordering::Relaxed)
