@@ -2,6 +2,8 @@
 //! registrations) and runs the runtime's one entry point.
 
 // Link the backends so their factories register (the linker may drop an unreferenced crate).
+#[cfg(feature = "directory")]
+use pegaflow_directory as _;
 #[cfg(feature = "dram")]
 use pegaflow_tier_dram as _;
 #[cfg(feature = "ssd")]

@@ -1,0 +1,12 @@
+//! Cross-node block directory backends (the runtime's [`pegaflow_runtime::Directory`]
+//! contract), each registered through `inventory` as a `[directory]` kind:
+//! - `memory` ([`memory::MemoryDirectory`]): one process's map, PegaFlow's MetaServer
+//!   semantics; what `pegaflow-metaserver` serves by default;
+//! - `redis` ([`redis_dir::RedisDirectory`]): a directory shared through one Redis (or
+//!   Valkey), with native key expiry and server-side scripts;
+//! - `metaserver` ([`metaserver::MetaServerDirectory`]): a client of any PegaFlow-compatible
+//!   MetaServer (ours or PegaFlow's `pegaflow-metaserver`).
+
+pub mod memory;
+pub mod metaserver;
+pub mod redis_dir;
