@@ -45,3 +45,33 @@ fn declared_flags_are_listed_and_applied() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
 }
+
+/// `--metaserver-addr` (declared by the linked `metaserver` directory) adds the `[directory]`
+/// table; `--metaserver-queue-depth` sets its queue and needs a directory.
+#[test]
+fn metaserver_flags_configure_the_directory() {
+    let text = run(&[
+        "--print-config",
+        "--metaserver-addr",
+        "http://10.0.0.5:50056",
+        "--metaserver-queue-depth",
+        "1000",
+    ]);
+    let p = PipelineConfig::from_toml(&text).unwrap();
+    let d = p.directory.expect("the flag adds [directory]");
+    assert_eq!(d.kind, "metaserver");
+    assert_eq!(
+        d.settings.get("addr").and_then(|v| v.as_str()),
+        Some("http://10.0.0.5:50056")
+    );
+    assert_eq!(d.queue_depth, 1000);
+    let help = run(&["--help"]);
+    assert!(help.contains("--metaserver-addr <URL>"), "{help}");
+    let out = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+        .args(["--metaserver-queue-depth", "10"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert!(err.contains("has no directory"), "{err}");
+}
