@@ -6,10 +6,10 @@
 //! deadline, and restart detection. PegaFlow's MetaServer does not say when it lost a node's
 //! entries (a restart re-creates the node silently at its next heartbeat), so each session
 //! plants a canary: one hash (its session id) in a namespace of its own. After every
-//! heartbeat the client asks for the canary; when the MetaServer no longer lists this node
-//! for it, the entries are gone and the heartbeat answers `state_lost` (the publisher then
-//! re-inserts what DRAM holds). The canary costs one entry per node and one small query per
-//! heartbeat.
+//! heartbeat the client asks for the canary (and plants it again, renewing it where entries
+//! expire); when the MetaServer no longer lists this node for it, the entries are gone and the
+//! heartbeat answers `state_lost` (the publisher then re-inserts what DRAM holds). The canary
+//! costs one entry per node and two small RPCs per heartbeat.
 //!
 //! Must never: wait longer than `timeout_ms` for an RPC (a MetaServer that is down or frozen
 //! answers `Unavailable`), or fail to start because the MetaServer is not up yet (the channel
@@ -247,8 +247,11 @@ impl Directory for MetaServerDirectory {
         let state_lost = !planted || !self.canary_alive(node).await?;
         if state_lost {
             self.planted.lock().remove(node);
-            self.plant_canary(node).await?;
         }
+        // Planted again on every heartbeat (idempotent): a MetaServer whose entries expire
+        // some time after their last insert (ours over Redis) keeps the canary as long as the
+        // node lives, so its absence means lost entries, not age.
+        self.plant_canary(node).await?;
         Ok(HeartbeatAnswer {
             stale_after,
             state_lost,

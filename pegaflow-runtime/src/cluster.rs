@@ -355,13 +355,20 @@ impl ClusterDirectory {
     }
 
     /// Stops the publisher and unregisters this node (waiting at most 3 s for the
-    /// directory, PegaFlow's bound). Idempotent.
+    /// directory, PegaFlow's bound, after the call in flight). Idempotent.
     pub async fn stop(&self) {
         self.shared.stopping.store(true, Ordering::SeqCst);
         self.shared.stop.notify_one();
         let task = self.task.lock().take();
-        if let Some(t) = task {
-            let _ = t.await;
+        if let Some(mut t) = task {
+            // The call in flight ends within call_timeout_ms, the unregister within 3 s.
+            let bound = Duration::from_millis(self.shared.config.call_timeout_ms)
+                + UNREGISTER_TIMEOUT
+                + Duration::from_secs(1);
+            if tokio::time::timeout(bound, &mut t).await.is_err() {
+                tracing::warn!("the directory client did not stop within {bound:?}; leaving without unregistering");
+                t.abort();
+            }
         }
     }
 }
@@ -480,8 +487,9 @@ impl Worker {
             IndexEventKind::Evicted => false,
             IndexEventKind::Demoted(_) => return,
         };
-        // While a backfill that reads DRAM as it is will start, the event is superseded.
-        if self.resync.is_some_and(ResyncReason::supersedes_events) {
+        // While a backfill that reads DRAM as it is will start, an insertion is superseded
+        // (removals are always sent).
+        if insert && self.resync.is_some_and(ResyncReason::supersedes_events) {
             return;
         }
         let depth = self.shared.config.queue_depth;
@@ -508,7 +516,9 @@ impl Worker {
             Some(_) => {}
         }
         if reason.supersedes_events() {
-            self.pending.clear();
+            // The backfill re-reads DRAM for insertions; removals are still sent (a directory
+            // that only seemed to lose its state must not keep an evicted block).
+            self.pending.retain(|_, insert| !*insert);
         }
         self.backfill = None;
     }
@@ -598,7 +608,7 @@ impl Worker {
             "advertising every block DRAM holds"
         );
         if reason.supersedes_events() {
-            self.pending.clear();
+            self.pending.retain(|_, insert| !*insert);
         }
         self.backfill = Some(Backfill {
             shard: 0,
@@ -625,11 +635,19 @@ impl Worker {
             }
         }
         let mut failed = false;
-        for (ns, keys) in removes {
-            failed |= !self.send(&ns, keys, false).await;
-        }
-        for (ns, keys) in inserts {
-            failed |= !self.send(&ns, keys, true).await;
+        let batches = removes
+            .into_iter()
+            .map(|(ns, keys)| (ns, keys, false))
+            .chain(inserts.into_iter().map(|(ns, keys)| (ns, keys, true)));
+        for (ns, keys, insert) in batches {
+            if failed {
+                // After one failure the rest waits for the retry, unsent.
+                for k in keys {
+                    self.pending.entry(k).or_insert(insert);
+                }
+                continue;
+            }
+            failed = !self.send(&ns, keys, insert, true).await;
         }
         self.shared.metrics.pending.set(self.pending.len() as i64);
         if failed {
@@ -640,15 +658,25 @@ impl Worker {
         }
     }
 
-    /// One namespace's keys, in batches. Failed batches go back to the pending map unless a
-    /// newer event for the key arrived meanwhile. False when a batch failed.
-    async fn send(&mut self, ns: &str, mut keys: Vec<BlockKey>, insert: bool) -> bool {
+    /// One namespace's keys, in batches; stops at the first failed batch (the directory is
+    /// unlikely to answer the next one sooner). With `requeue`, the keys not sent go back to
+    /// the pending map unless a newer event for the key arrived meanwhile (the backfill
+    /// re-reads its own instead). False when a batch failed.
+    async fn send(
+        &mut self,
+        ns: &str,
+        mut keys: Vec<BlockKey>,
+        insert: bool,
+        requeue: bool,
+    ) -> bool {
         if insert {
-            keys.retain(|k| self.store.contains(k.as_ref()));
+            // The index itself, not the store's lookup: that one would take a block back from
+            // the demotion queue (undoing an eviction) just because we looked.
+            keys.retain(|k| self.store.index().contains(k.as_ref()));
         }
         let s = self.shared.clone();
-        let mut ok = true;
-        for chunk in keys.chunks(s.config.max_batch_hashes) {
+        let batch = s.config.max_batch_hashes;
+        for (i, chunk) in keys.chunks(batch).enumerate() {
             let hashes: Vec<Vec<u8>> = chunk.iter().map(|k| k.hash.to_vec()).collect();
             let r = if insert {
                 self.call(s.dir.insert(&s.node, ns, &hashes))
@@ -663,7 +691,6 @@ impl Worker {
                 Ok(()) if insert => s.metrics.registration_blocks.inc_by(chunk.len() as u64),
                 Ok(()) => s.metrics.removal_blocks.inc_by(chunk.len() as u64),
                 Err(e) => {
-                    ok = false;
                     if insert {
                         s.metrics.registration_failures.inc();
                     } else {
@@ -675,13 +702,16 @@ impl Worker {
                         // reports the lost state and a backfill follows.
                         self.next_heartbeat = Instant::now();
                     }
-                    for k in chunk {
-                        self.pending.entry(k.clone()).or_insert(insert);
+                    if requeue {
+                        for k in &keys[i * batch..] {
+                            self.pending.entry(k.clone()).or_insert(insert);
+                        }
                     }
+                    return false;
                 }
             }
         }
-        ok
+        true
     }
 
     /// Re-inserts the next slice of DRAM's keys, at the configured rate.
@@ -705,9 +735,9 @@ impl Worker {
             b.keys = self.store.index().shard_keys(b.shard);
             b.pos = 0;
         }
+        let start = b.pos;
         let end = (b.pos + chunk).min(b.keys.len());
-        let slice: Vec<BlockKey> = b.keys[b.pos..end].to_vec();
-        b.pos = end;
+        let slice: Vec<BlockKey> = b.keys[start..end].to_vec();
         let mut by_ns: HashMap<String, Vec<BlockKey>> = HashMap::new();
         for k in slice {
             by_ns
@@ -715,15 +745,25 @@ impl Worker {
                 .or_default()
                 .push(k);
         }
-        let mut n = 0u64;
+        let n = (end - start) as u64;
+        let mut ok = true;
         for (ns, keys) in by_ns {
-            n += keys.len() as u64;
-            // Sent through the same path as events: only keys DRAM still holds, failed ones
-            // back into the pending map.
-            self.send(&ns, keys, true).await;
+            // Only keys DRAM still holds are sent; a failed slice is sent again after the
+            // backoff (inserting twice is harmless), never parked in the pending map.
+            if !self.send(&ns, keys, true, false).await {
+                ok = false;
+                break;
+            }
         }
-        self.shared.metrics.backfill_blocks.inc_by(n);
-        b.next_at = Instant::now() + Duration::from_secs_f64(n.max(1) as f64 / rate as f64);
+        if ok {
+            b.pos = end;
+            self.shared.metrics.backfill_blocks.inc_by(n);
+            b.next_at = Instant::now() + Duration::from_secs_f64(n.max(1) as f64 / rate as f64);
+            self.backoff = BACKOFF_MIN;
+        } else {
+            b.next_at = Instant::now() + self.backoff;
+            self.backoff = (self.backoff * 2).min(BACKOFF_MAX);
+        }
         self.backfill = Some(b);
     }
 
