@@ -607,6 +607,7 @@ impl MemoryDirectory {
         &self,
         namespace: &str,
         hashes: &[Vec<u8>],
+        exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError> {
         if hashes.is_empty() {
             return Err(DirectoryError::Invalid(
@@ -616,7 +617,17 @@ impl MemoryDirectory {
         let Some(ns) = self.namespace(namespace) else {
             return Ok(Vec::new());
         };
-        let live = Self::live_sessions(&self.nodes.read(), self.now_ms(), self.stale_ms);
+        let live = {
+            let nodes = self.nodes.read();
+            let mut live = Self::live_sessions(&nodes, self.now_ms(), self.stale_ms);
+            // An excluded address holds nothing for this query.
+            if let Some(id) = exclude.and_then(|a| nodes.by_addr.get(a)) {
+                if let Some(s) = live.get_mut(*id as usize) {
+                    *s = NONE;
+                }
+            }
+            live
+        };
         // The greedy cover plan: from the start of a segment, the nodes holding every hash
         // so far run on; when none of them holds the next hash, the segment goes to the one
         // with the smallest address among the last ones standing, and the next segment starts
@@ -850,8 +861,9 @@ impl Directory for MemoryDirectory {
         &self,
         namespace: &str,
         hashes: &[Vec<u8>],
+        exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError> {
-        self.query_sync(namespace, hashes)
+        self.query_sync(namespace, hashes, exclude)
     }
 
     async fn unregister(&self, node: &NodeId) -> Result<u64, DirectoryError> {
@@ -966,9 +978,9 @@ mod tests {
         // Stale: the address changes hands, the new session starts empty.
         d.insert_sync(&a, "ns", &hs(0..2)).unwrap();
         d.advance(Duration::from_secs(31));
-        assert!(d.query_sync("ns", &hs(0..2)).unwrap().is_empty());
+        assert!(d.query_sync("ns", &hs(0..2), None).unwrap().is_empty());
         assert!(d.heartbeat_sync(&b).unwrap().state_lost);
-        assert!(d.query_sync("ns", &hs(0..2)).unwrap().is_empty());
+        assert!(d.query_sync("ns", &hs(0..2), None).unwrap().is_empty());
         assert_eq!(
             d.insert_sync(&a, "ns", &hs(0..1)),
             Err(DirectoryError::SessionConflict(a.addr.clone()))
@@ -994,10 +1006,13 @@ mod tests {
         d.heartbeat_sync(&a).unwrap();
         d.insert_sync(&a, "ns", &hs(0..3)).unwrap();
         d.advance(Duration::from_secs(40));
-        assert!(d.query_sync("ns", &hs(0..3)).unwrap().is_empty(), "stale");
+        assert!(
+            d.query_sync("ns", &hs(0..3), None).unwrap().is_empty(),
+            "stale"
+        );
         // PegaFlow accepts a stale session's insert and counts it as activity.
         d.insert_sync(&a, "ns", &hs(3..4)).unwrap();
-        assert_eq!(d.query_sync("ns", &hs(0..4)).unwrap(), vec![p(&a, 4)]);
+        assert_eq!(d.query_sync("ns", &hs(0..4), None).unwrap(), vec![p(&a, 4)]);
         let b = NodeId::new_session("10.0.0.1:1");
         assert!(matches!(
             d.heartbeat_sync(&b),
@@ -1021,12 +1036,12 @@ mod tests {
         d.insert_sync(&c, "ns", &[h(0), h(1), h(3)]).unwrap();
         // a and b tie for the longest run: the smaller address takes it; c's shorter run
         // does not show.
-        assert_eq!(d.query_sync("ns", &hs(0..8)).unwrap(), vec![p(&b, 5)]);
-        assert_eq!(d.query_sync("ns", &hs(0..3)).unwrap(), vec![p(&b, 3)]);
-        assert_eq!(d.query_sync("other", &hs(0..8)).unwrap(), vec![]);
-        assert_eq!(d.query_sync("ns", &hs(5..8)).unwrap(), vec![]);
+        assert_eq!(d.query_sync("ns", &hs(0..8), None).unwrap(), vec![p(&b, 5)]);
+        assert_eq!(d.query_sync("ns", &hs(0..3), None).unwrap(), vec![p(&b, 3)]);
+        assert_eq!(d.query_sync("other", &hs(0..8), None).unwrap(), vec![]);
+        assert_eq!(d.query_sync("ns", &hs(5..8), None).unwrap(), vec![]);
         assert!(matches!(
-            d.query_sync("ns", &[]),
+            d.query_sync("ns", &[], None),
             Err(DirectoryError::Invalid(_))
         ));
         // a loses h0, b loses h2: b (smaller than c) takes h0..h1, then a, whose run from h2
@@ -1034,7 +1049,7 @@ mod tests {
         d.remove_sync(&a, "ns", &hs(0..1)).unwrap();
         d.remove_sync(&b, "ns", &hs(2..3)).unwrap();
         assert_eq!(
-            d.query_sync("ns", &hs(0..8)).unwrap(),
+            d.query_sync("ns", &hs(0..8), None).unwrap(),
             vec![p(&b, 2), p(&a, 3)]
         );
         // One node may serve several segments: x holds 0..3 and 5..8, y holds 3..5.
@@ -1049,16 +1064,16 @@ mod tests {
         d.insert_sync(&x, "two", &xs).unwrap();
         d.insert_sync(&y, "two", &hs(3..5)).unwrap();
         assert_eq!(
-            d.query_sync("two", &hs(0..8)).unwrap(),
+            d.query_sync("two", &hs(0..8), None).unwrap(),
             vec![p(&x, 3), p(&y, 2), p(&x, 3)]
         );
         assert_eq!(
-            d.query_sync("two", &hs(0..10)).unwrap(),
+            d.query_sync("two", &hs(0..10), None).unwrap(),
             vec![p(&x, 3), p(&y, 2), p(&x, 3)]
         );
         // A node that does not hold the segment's first hash cannot start it.
         assert_eq!(
-            d.query_sync("two", &hs(3..8)).unwrap(),
+            d.query_sync("two", &hs(3..8), None).unwrap(),
             vec![p(&y, 2), p(&x, 3)]
         );
     }
@@ -1082,7 +1097,7 @@ mod tests {
         let s = d.stats();
         assert_eq!((s.entries, s.owners), (3, 3));
         assert_eq!(s.redundancy, [3, 0, 0, 0]);
-        assert_eq!(d.query_sync("ns", &hs(0..4)).unwrap(), vec![p(&a, 3)]);
+        assert_eq!(d.query_sync("ns", &hs(0..4), None).unwrap(), vec![p(&a, 3)]);
     }
 
     #[test]
@@ -1146,7 +1161,7 @@ mod tests {
             Err(DirectoryError::SessionConflict(_))
         ));
         assert_eq!(d.resync_sync(&a).unwrap(), 5);
-        assert_eq!(d.query_sync("ns", &hs(0..3)).unwrap(), vec![p(&b, 1)]);
+        assert_eq!(d.query_sync("ns", &hs(0..3), None).unwrap(), vec![p(&b, 1)]);
         d.insert_sync(&a, "ns", &hs(0..2)).unwrap();
         assert_eq!(d.unregister_sync(&a).unwrap(), 2);
         assert!(matches!(
@@ -1200,7 +1215,10 @@ mod tests {
                 nodes: 1
             }
         );
-        assert_eq!(d.query_sync("ns", &hs(0..3)).unwrap(), vec![p(&live, 2)]);
+        assert_eq!(
+            d.query_sync("ns", &hs(0..3), None).unwrap(),
+            vec![p(&live, 2)]
+        );
         assert!(matches!(
             d.insert_sync(&gone, "ns", &hs(0..1)),
             Err(DirectoryError::UnknownNode(_))
@@ -1244,7 +1262,7 @@ mod tests {
         let all: Vec<Vec<u8>> = (0..50_000u32).map(key).collect();
         // Nodes 0..2 hold everything: the smallest address covers it in one segment.
         assert_eq!(
-            d.query_sync("big", &all).unwrap(),
+            d.query_sync("big", &all, None).unwrap(),
             vec![p(&nodes[0], 50_000)]
         );
         assert_eq!(d.unregister_sync(&nodes[0]).unwrap(), 50_000);
@@ -1293,7 +1311,7 @@ mod tests {
         let t = Instant::now();
         for i in 0..100 {
             let q = &all[i * 1000..i * 1000 + 1000];
-            assert_eq!(d.query_sync("m", q).unwrap().len(), 1);
+            assert_eq!(d.query_sync("m", q, None).unwrap().len(), 1);
         }
         let query = t.elapsed() / 100;
         let t = Instant::now();

@@ -191,6 +191,7 @@ impl MetaServerDirectory {
         let req = pb::QueryPrefixBlocksRequest {
             namespace: CANARY_NAMESPACE.into(),
             block_hashes: vec![node.session.as_bytes().to_vec()],
+            exclude_node: String::new(),
         };
         let mut c = self.client();
         let r = self
@@ -319,6 +320,7 @@ impl Directory for MetaServerDirectory {
         &self,
         namespace: &str,
         hashes: &[Vec<u8>],
+        exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError> {
         if hashes.is_empty() {
             return Err(DirectoryError::Invalid(
@@ -328,6 +330,7 @@ impl Directory for MetaServerDirectory {
         let req = pb::QueryPrefixBlocksRequest {
             namespace: namespace.into(),
             block_hashes: hashes.to_vec(),
+            exclude_node: exclude.unwrap_or_default().into(),
         };
         let mut c = self.client();
         let r = self

@@ -985,6 +985,7 @@ impl Directory for RedisDirectory {
         &self,
         namespace: &str,
         hashes: &[Vec<u8>],
+        exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError> {
         if hashes.is_empty() {
             return Err(DirectoryError::Invalid("empty hash list".into()));
@@ -1035,6 +1036,10 @@ impl Directory for RedisDirectory {
                 break;
             }
             base += chunk_len;
+        }
+        // An excluded address holds nothing: the plan stops where the others stop.
+        if let Some(x) = exclude {
+            owners.retain(|(a, _)| a != x);
         }
         Ok(cover_plan(&owners, stop))
     }

@@ -217,7 +217,7 @@ async fn a_frozen_metaserver_answers_unavailable() {
         ("heartbeat", d.heartbeat(&n).await.map(|_| ())),
         ("insert", d.insert(&n, "ns", &hs).await.map(|_| ())),
         ("remove", d.remove(&n, "ns", &hs).await.map(|_| ())),
-        ("query", d.query_prefix("ns", &hs).await.map(|_| ())),
+        ("query", d.query_prefix("ns", &hs, None).await.map(|_| ())),
     ];
     for (what, r) in calls {
         assert!(

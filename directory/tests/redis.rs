@@ -123,43 +123,43 @@ async fn insert_query_remove_resync_unregister() {
     d.insert(&b, "ns", &hashes(0..2)).await.unwrap();
     // The cover plan: a's run from h0 is the longest and covers all that is held.
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..6), None).await.unwrap(),
         vec![np(&a, 4)]
     );
     assert!(d
-        .query_prefix("other", &hashes(0..6))
+        .query_prefix("other", &hashes(0..6), None)
         .await
         .unwrap()
         .is_empty());
     assert!(matches!(
-        d.query_prefix("ns", &[]).await,
+        d.query_prefix("ns", &[], None).await,
         Err(DirectoryError::Invalid(_))
     ));
 
     // a: h0 h2 h3, b: h0 h1: b takes h0..h2, a goes on with h2..h4.
     assert_eq!(d.remove(&a, "ns", &hashes(1..2)).await.unwrap(), 1);
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..6), None).await.unwrap(),
         vec![np(&b, 2), np(&a, 2)]
     );
     // Nobody holds h1 any more (Redis deleted the emptied key); a tie at h0 goes to the
     // smaller address.
     assert_eq!(d.remove(&b, "ns", &hashes(1..2)).await.unwrap(), 1);
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..6), None).await.unwrap(),
         vec![np(&a, 1)]
     );
 
     // Resync: 3 entries left of a (h0, h2, h3); hidden at once, node still registered.
     assert_eq!(d.resync(&a).await.unwrap(), 3);
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..6), None).await.unwrap(),
         vec![np(&b, 1)]
     );
     assert!(!d.heartbeat(&a).await.unwrap().state_lost);
     d.insert(&a, "ns", &hashes(0..3)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..6), None).await.unwrap(),
         vec![np(&a, 3)]
     );
 
@@ -178,7 +178,7 @@ async fn insert_query_remove_resync_unregister() {
         Err(DirectoryError::UnknownNode(_))
     ));
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..6), None).await.unwrap(),
         vec![np(&b, 1)]
     );
     assert!(matches!(
@@ -216,20 +216,20 @@ async fn batches_split_across_scripts() {
     assert_eq!(third.inserted, 20);
     assert_eq!(third.reclaimable, all[..20].to_vec(), "in batch order");
     assert_eq!(
-        d.query_prefix("ns", &all).await.unwrap(),
+        d.query_prefix("ns", &all, None).await.unwrap(),
         vec![np(&nodes[0], 50)]
     );
     // A gap in node 0's run exactly at a script boundary (14 = 2 × 7): node 1 takes
     // h0..h30, node 0 the rest of its run (h30..h50).
     assert_eq!(d.remove(&nodes[0], "ns", &all[14..15]).await.unwrap(), 1);
     assert_eq!(
-        d.query_prefix("ns", &all).await.unwrap(),
+        d.query_prefix("ns", &all, None).await.unwrap(),
         vec![np(&nodes[1], 30), np(&nodes[0], 20)]
     );
     // Nobody holds h35: the plan stops there, in the sixth script.
     assert_eq!(d.remove(&nodes[0], "ns", &all[35..36]).await.unwrap(), 1);
     assert_eq!(
-        d.query_prefix("ns", &all).await.unwrap(),
+        d.query_prefix("ns", &all, None).await.unwrap(),
         vec![np(&nodes[1], 30), np(&nodes[0], 5)]
     );
     assert_eq!(d.remove(&nodes[0], "ns", &all).await.unwrap(), 48);
@@ -273,7 +273,7 @@ async fn removal_is_owner_checked_and_takeover_waits_for_expiry() {
         Err(DirectoryError::UnknownNode(_))
     ));
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
 
@@ -290,7 +290,7 @@ async fn removal_is_owner_checked_and_takeover_waits_for_expiry() {
     );
     tokio::time::sleep(Duration::from_millis(1300)).await;
     assert!(d
-        .query_prefix("ns", &hashes(0..3))
+        .query_prefix("ns", &hashes(0..3), None)
         .await
         .unwrap()
         .is_empty());
@@ -302,7 +302,7 @@ async fn removal_is_owner_checked_and_takeover_waits_for_expiry() {
     ));
     d.insert(&b, "ns", &hashes(0..2)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&b, 2)]
     );
 }
@@ -325,7 +325,7 @@ async fn all_calls_unavailable(d: &RedisDirectory, node: &NodeId, bound: Duratio
     check!("heartbeat", d.heartbeat(node));
     check!("insert", d.insert(node, "ns", &hashes(0..3)));
     check!("remove", d.remove(node, "ns", &hashes(0..1)));
-    check!("query", d.query_prefix("ns", &hashes(0..3)));
+    check!("query", d.query_prefix("ns", &hashes(0..3), None));
     check!("resync", d.resync(node));
     check!("unregister", d.unregister(node));
 }
@@ -354,7 +354,7 @@ async fn frozen_redis_answers_unavailable_within_the_timeout() {
     let calls: Vec<_> = (0..16)
         .map(|_| {
             let d = d.clone();
-            tokio::spawn(async move { d.query_prefix("ns", &hashes(0..3)).await })
+            tokio::spawn(async move { d.query_prefix("ns", &hashes(0..3), None).await })
         })
         .collect();
     for c in calls {
@@ -375,7 +375,7 @@ async fn frozen_redis_answers_unavailable_within_the_timeout() {
     let hb = until_ok("heartbeat after SIGCONT", || d.heartbeat(&a)).await;
     assert!(!hb.state_lost, "a frozen Redis keeps its data");
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
 }
@@ -407,13 +407,13 @@ async fn redis_down_at_start_then_killed_and_restarted() {
     let hb = until_ok("heartbeat after the restart", || d.heartbeat(&a)).await;
     assert!(hb.state_lost, "an empty Redis lost the node's entries");
     assert!(d
-        .query_prefix("ns", &hashes(0..3))
+        .query_prefix("ns", &hashes(0..3), None)
         .await
         .unwrap()
         .is_empty());
     d.insert(&a, "ns", &hashes(0..3)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
 }
@@ -436,13 +436,13 @@ async fn flushall_is_seen_at_the_next_heartbeat() {
     assert!(!d.heartbeat(&a).await.unwrap().state_lost);
     d.insert(&a, "ns", &hashes(0..3)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
     // SCRIPT FLUSH: the scripts are loaded again on NOSCRIPT.
     assert!(redis.command(&["SCRIPT", "FLUSH"]).contains("OK"));
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
 }
@@ -474,14 +474,14 @@ async fn restart_with_data_kept_is_seen_through_the_run_id() {
         .expect("the first heartbeat after the restart");
     assert!(hb.state_lost, "a new Redis process is a loss of state");
     assert!(d
-        .query_prefix("ns", &hashes(0..3))
+        .query_prefix("ns", &hashes(0..3), None)
         .await
         .unwrap()
         .is_empty());
     assert!(!d.heartbeat(&a).await.unwrap().state_lost);
     d.insert(&a, "ns", &hashes(0..3)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
 }
@@ -550,7 +550,10 @@ async fn throughput() {
     for q in 0..300 {
         let start = (q * 641) % 190_000;
         let t1 = Instant::now();
-        let r = d.query_prefix("ns", &all[start..start + 64]).await.unwrap();
+        let r = d
+            .query_prefix("ns", &all[start..start + 64], None)
+            .await
+            .unwrap();
         lat.push(t1.elapsed());
         assert_eq!(r[0].prefix_len, 64);
     }

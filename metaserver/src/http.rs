@@ -40,7 +40,12 @@ async fn health(State(s): State<HttpState>) -> axum::response::Response {
         return "ok".into_response();
     }
     let probe = vec![b"health-probe".to_vec()];
-    match tokio::time::timeout(HEALTH_TIMEOUT, s.dir.query_prefix(HEALTH_NAMESPACE, &probe)).await {
+    match tokio::time::timeout(
+        HEALTH_TIMEOUT,
+        s.dir.query_prefix(HEALTH_NAMESPACE, &probe, None),
+    )
+    .await
+    {
         Ok(Ok(_)) => "ok".into_response(),
         Ok(Err(e)) => (
             StatusCode::SERVICE_UNAVAILABLE,

@@ -208,8 +208,11 @@ pub async fn start(args: &Args) -> anyhow::Result<Running> {
                 "pegaflow-metaserver serving"
             );
             let probe = vec![b"startup-probe".to_vec()];
-            match tokio::time::timeout(HEALTH_TIMEOUT, dir.query_prefix(HEALTH_NAMESPACE, &probe))
-                .await
+            match tokio::time::timeout(
+                HEALTH_TIMEOUT,
+                dir.query_prefix(HEALTH_NAMESPACE, &probe, None),
+            )
+            .await
             {
                 Ok(Ok(_)) => tracing::info!("redis directory reachable"),
                 Ok(Err(e)) => tracing::warn!(

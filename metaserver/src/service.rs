@@ -229,7 +229,11 @@ impl MetaServer for MetaService {
             }
             let nodes = self
                 .dir
-                .query_prefix(&req.namespace, &req.block_hashes)
+                .query_prefix(
+                    &req.namespace,
+                    &req.block_hashes,
+                    Some(req.exclude_node.as_str()).filter(|x| !x.is_empty()),
+                )
                 .await
                 .map_err(|e| status_of(&e))?;
             Ok(QueryPrefixBlocksResponse {
@@ -364,6 +368,7 @@ mod tests {
             .query_prefix_blocks(Request::new(QueryPrefixBlocksRequest {
                 namespace: "ns".into(),
                 block_hashes: vec![vec![1], vec![2], vec![3]],
+                exclude_node: String::new(),
             }))
             .await
             .unwrap()

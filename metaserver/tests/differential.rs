@@ -71,6 +71,8 @@ enum Call {
     Insert(String, Vec<Vec<u8>>, String, String),
     Remove(String, Vec<Vec<u8>>, String, String),
     Query(String, Vec<Vec<u8>>),
+    /// A query with `exclude_node` (0.25.1's field 3).
+    QueryExcluding(String, Vec<Vec<u8>>, String),
 }
 
 enum Check {
@@ -150,10 +152,14 @@ async fn call(c: &mut MetaServerClient<Channel>, call: &Call) -> Answer {
                     removed: r.removed_count,
                 }
             }),
-        Call::Query(ns, hashes) => c
+        Call::Query(ns, hashes) | Call::QueryExcluding(ns, hashes, _) => c
             .query_prefix_blocks(QueryPrefixBlocksRequest {
                 namespace: ns.clone(),
                 block_hashes: hashes.clone(),
+                exclude_node: match call {
+                    Call::QueryExcluding(_, _, x) => x.clone(),
+                    _ => String::new(),
+                },
             })
             .await
             .map_or_else(Answer::from, |r| {
@@ -437,6 +443,16 @@ async fn our_metaserver_answers_as_pegaflows() {
             Query("plan".into(), hs(4..10)),
             Exact,
         ),
+        Step::Call(
+            "a plan without A (exclude_node)",
+            QueryExcluding("plan".into(), hs(0..10), a.clone()),
+            Exact,
+        ),
+        Step::Call(
+            "a plan excluding an unknown node",
+            QueryExcluding("plan".into(), hs(0..10), "10.255.0.1:1".into()),
+            Exact,
+        ),
         Step::CompareMetrics("before the nodes go stale"),
         Step::Sleep(Duration::from_millis(3200)),
         Step::Call(
@@ -539,6 +555,11 @@ async fn our_metaserver_answers_as_pegaflows() {
         (
             "a plan of three segments",
             Answer::Query(q(&[(&a, 3), (&b, 2), (&a, 3)])),
+        ),
+        // Without A, C takes h0..h2, B h3..h4, and nobody else holds h5.
+        (
+            "a plan without A (exclude_node)",
+            Answer::Query(q(&[(&c, 3), (&b, 2)])),
         ),
         (
             "a plan starting mid-way",

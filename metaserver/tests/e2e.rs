@@ -71,6 +71,7 @@ async fn query(
     c.query_prefix_blocks(QueryPrefixBlocksRequest {
         namespace: ns.into(),
         block_hashes: hashes,
+        exclude_node: String::new(),
     })
     .await
     .map(|r| {

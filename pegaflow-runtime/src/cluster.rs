@@ -65,6 +65,12 @@ pub struct DirectoryConfig {
     /// elsewhere" (local only).
     #[serde(default = "default_query_timeout_ms")]
     pub query_timeout_ms: u64,
+    /// Every this many seconds, everything DRAM holds is inserted again (no forgetting), so
+    /// that a backend whose entries expire some time after their last insert (Redis:
+    /// `ttl_minutes`) keeps listing blocks that stay resident that long. 0 = never.
+    /// Default 1800.
+    #[serde(default = "default_refresh_secs")]
+    pub refresh_secs: u64,
     /// The backend's own settings (everything else in the table).
     #[serde(flatten)]
     pub settings: toml::Table,
@@ -85,6 +91,9 @@ fn default_call_timeout_ms() -> u64 {
 fn default_query_timeout_ms() -> u64 {
     100
 }
+fn default_refresh_secs() -> u64 {
+    1_800
+}
 
 impl DirectoryConfig {
     /// A `[directory]` of `kind` with the runtime's defaults and no backend settings.
@@ -97,6 +106,7 @@ impl DirectoryConfig {
             backfill_blocks_per_sec: default_backfill_rate(),
             call_timeout_ms: default_call_timeout_ms(),
             query_timeout_ms: default_query_timeout_ms(),
+            refresh_secs: default_refresh_secs(),
             settings: toml::Table::new(),
         }
     }
@@ -170,7 +180,7 @@ impl DirMetrics {
             heartbeat_failures: c(reg, "pegaflow_metaserver_heartbeat_failures_total", "Heartbeats that failed or timed out"),
             session_resets: c(reg, "pegaflow_metaserver_session_resets_total", "Heartbeats after which the directory had lost this node's state"),
             unregister_failures: c(reg, "pegaflow_metaserver_unregister_failures_total", "Unregister calls at shutdown that failed or timed out"),
-            resyncs: cv(reg, "pegaflow_directory_resyncs_total", "Re-advertisements of everything DRAM holds, by reason (start, state_lost, events_lagged, removals_dropped, inserts_dropped)", "reason"),
+            resyncs: cv(reg, "pegaflow_directory_resyncs_total", "Re-advertisements of everything DRAM holds, by reason (start, state_lost, events_lagged, removals_dropped, inserts_dropped, refresh)", "reason"),
             backfill_blocks: c(reg, "pegaflow_directory_backfill_blocks_total", "Block hashes re-inserted by backfills"),
             pending: g(reg, "pegaflow_directory_pending_hashes", "Hashes waiting to be sent to the directory"),
             up: g(reg, "pegaflow_directory_up", "1 while the last heartbeat succeeded"),
@@ -193,6 +203,8 @@ enum ResyncReason {
     RemovalsDropped,
     /// Insertions did not fit the pending queue: some blocks are not advertised.
     InsertsDropped,
+    /// The periodic re-insertion (`refresh_secs`).
+    Refresh,
 }
 
 impl ResyncReason {
@@ -203,6 +215,7 @@ impl ResyncReason {
             ResyncReason::EventsLagged => "events_lagged",
             ResyncReason::RemovalsDropped => "removals_dropped",
             ResyncReason::InsertsDropped => "inserts_dropped",
+            ResyncReason::Refresh => "refresh",
         }
     }
 
@@ -218,7 +231,12 @@ impl ResyncReason {
     /// nothing of the session by then). Not so for dropped insertions: removals must still
     /// be sent.
     fn supersedes_events(self) -> bool {
-        self != ResyncReason::InsertsDropped
+        !self.adds_only()
+    }
+
+    /// Only insertions are missing: nothing is forgotten and removals flow meanwhile.
+    fn adds_only(self) -> bool {
+        matches!(self, ResyncReason::InsertsDropped | ResyncReason::Refresh)
     }
 }
 
@@ -293,6 +311,9 @@ impl ClusterDirectory {
             next_heartbeat: Instant::now(),
             backoff: BACKOFF_MIN,
             retry_at: None,
+            next_refresh: None,
+            doubtful: Default::default(),
+            doubtful_since: Instant::now(),
         };
         let task = tokio::spawn(worker.run());
         Self {
@@ -316,8 +337,8 @@ impl ClusterDirectory {
         self.shared.up.load(Ordering::Relaxed)
     }
 
-    /// The directory's cover plan of the longest prefix of `hashes` held across the cluster
-    /// (segments in hash order; a segment may name this node, see [`ClusterDirectory::node`]).
+    /// The directory's cover plan of the longest prefix of `hashes` the other nodes hold
+    /// (segments in hash order; this node is excluded).
     /// Answers within `query_timeout_ms`; while the directory is unreachable, or on any error,
     /// it answers empty ("local only") and counts why in `pegaflow_directory_queries_total`.
     pub async fn query_prefix(
@@ -337,7 +358,8 @@ impl ClusterDirectory {
         }
         let ns = directory_namespace(namespace, group);
         let wait = Duration::from_millis(s.config.query_timeout_ms);
-        match tokio::time::timeout(wait, s.dir.query_prefix(&ns, hashes)).await {
+        match tokio::time::timeout(wait, s.dir.query_prefix(&ns, hashes, Some(&s.node.addr))).await
+        {
             Ok(Ok(v)) => {
                 outcome("ok");
                 v
@@ -403,6 +425,14 @@ struct Worker {
     backoff: Duration,
     /// Pending hashes failed to send: retry at this time.
     retry_at: Option<Instant>,
+    /// When the next periodic re-insertion is due (`refresh_secs`).
+    next_refresh: Option<Instant>,
+    /// Keys whose insert call failed without an answer (a timeout): the directory may still
+    /// apply it after a later removal of the key was applied. After the next heartbeat, the
+    /// ones DRAM no longer holds are removed again.
+    doubtful: std::collections::HashSet<BlockKey>,
+    /// When the last doubtful key was noted.
+    doubtful_since: Instant,
 }
 
 impl Worker {
@@ -425,6 +455,9 @@ impl Worker {
             if !self.registered || !self.shared.up.load(Ordering::Relaxed) {
                 continue;
             }
+            if self.refresh_due() {
+                self.need_resync(ResyncReason::Refresh);
+            }
             if let Some(reason) = self.resync.take() {
                 self.start_resync(reason).await;
             }
@@ -436,8 +469,28 @@ impl Worker {
         self.unregister().await;
     }
 
+    /// Whether the periodic re-insertion should start now (none is running or due).
+    fn refresh_due(&mut self) -> bool {
+        let every = self.shared.config.refresh_secs;
+        if every == 0 || self.resync.is_some() || self.backfill.is_some() {
+            return false;
+        }
+        let now = Instant::now();
+        let next = *self
+            .next_refresh
+            .get_or_insert(now + Duration::from_secs(every));
+        if now < next {
+            return false;
+        }
+        self.next_refresh = Some(now + Duration::from_secs(every));
+        true
+    }
+
     fn next_wake(&self) -> Instant {
         let mut t = self.next_heartbeat;
+        if let Some(r) = self.next_refresh {
+            t = t.min(r);
+        }
         // While the directory is unreachable only the heartbeat's retry wakes the task.
         if !self.registered || !self.shared.up.load(Ordering::Relaxed) {
             return t;
@@ -510,9 +563,7 @@ impl Worker {
     fn need_resync(&mut self, reason: ResyncReason) {
         match self.resync {
             None => self.resync = Some(reason),
-            Some(ResyncReason::InsertsDropped) if reason != ResyncReason::InsertsDropped => {
-                self.resync = Some(reason)
-            }
+            Some(r) if r.adds_only() && !reason.adds_only() => self.resync = Some(reason),
             Some(_) => {}
         }
         if reason.supersedes_events() {
@@ -578,6 +629,7 @@ impl Worker {
                     }
                 }
                 self.registered = true;
+                self.recheck_doubtful();
             }
             Err(e) => {
                 s.metrics.heartbeat_failures.inc();
@@ -702,6 +754,9 @@ impl Worker {
                         // reports the lost state and a backfill follows.
                         self.next_heartbeat = Instant::now();
                     }
+                    if insert && matches!(e, DirectoryError::Unavailable(_)) {
+                        self.note_doubtful(chunk);
+                    }
                     if requeue {
                         for k in &keys[i * batch..] {
                             self.pending.entry(k.clone()).or_insert(insert);
@@ -712,6 +767,36 @@ impl Worker {
             }
         }
         true
+    }
+
+    /// Remembers keys of an unanswered insert (bounded by `queue_depth`; beyond it the
+    /// session's entries are forgotten and DRAM re-advertised instead).
+    fn note_doubtful(&mut self, keys: &[BlockKey]) {
+        for k in keys {
+            if self.doubtful.len() >= self.shared.config.queue_depth {
+                self.doubtful.clear();
+                self.need_resync(ResyncReason::RemovalsDropped);
+                return;
+            }
+            self.doubtful.insert(k.clone());
+        }
+        self.doubtful_since = Instant::now();
+    }
+
+    /// After a heartbeat at least one call timeout after the last unanswered insert: the
+    /// doubtful keys DRAM no longer holds are removed again (a late insert may have landed
+    /// after their removal).
+    fn recheck_doubtful(&mut self) {
+        let settle = Duration::from_millis(self.shared.config.call_timeout_ms);
+        if self.doubtful.is_empty() || self.doubtful_since.elapsed() < settle {
+            return;
+        }
+        let store = self.store.clone();
+        for k in std::mem::take(&mut self.doubtful) {
+            if !store.index().contains(k.as_ref()) {
+                self.pending.entry(k).or_insert(false);
+            }
+        }
     }
 
     /// Re-inserts the next slice of DRAM's keys, at the configured rate.
@@ -735,6 +820,7 @@ impl Worker {
             b.keys = self.store.index().shard_keys(b.shard);
             b.pos = 0;
         }
+        let began = Instant::now();
         let start = b.pos;
         let end = (b.pos + chunk).min(b.keys.len());
         let slice: Vec<BlockKey> = b.keys[start..end].to_vec();
@@ -758,7 +844,8 @@ impl Worker {
         if ok {
             b.pos = end;
             self.shared.metrics.backfill_blocks.inc_by(n);
-            b.next_at = Instant::now() + Duration::from_secs_f64(n.max(1) as f64 / rate as f64);
+            // Paced from the slice's start: the insert's own time counts toward the rate.
+            b.next_at = began + Duration::from_secs_f64(n.max(1) as f64 / rate as f64);
             self.backoff = BACKOFF_MIN;
         } else {
             b.next_at = Instant::now() + self.backoff;

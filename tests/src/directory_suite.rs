@@ -62,6 +62,7 @@ pub async fn run_all(f: &dyn DirectoryFixture) {
     removal_is_owner_checked(f).await;
     unregister_forgets_the_session(f).await;
     resync_forgets_entries_but_keeps_the_node(f).await;
+    an_excluded_node_holds_nothing(f).await;
     empty_query_is_invalid(f).await;
     large_batches_are_accepted(f).await;
     reclaimable_needs_enough_live_owners(f).await;
@@ -93,23 +94,29 @@ pub async fn insert_then_query_reports_the_contiguous_prefix(f: &dyn DirectoryFi
     let got = d.insert(&a, "ns-prefix", &hashes(0..8)).await.unwrap();
     assert_eq!(got.inserted, 8, "every hash of the batch is owned");
     assert_eq!(
-        d.query_prefix("ns-prefix", &hashes(0..8)).await.unwrap(),
+        d.query_prefix("ns-prefix", &hashes(0..8), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 8)])
     );
     // A longer request: the prefix is what is held.
     assert_eq!(
-        d.query_prefix("ns-prefix", &hashes(0..20)).await.unwrap(),
+        d.query_prefix("ns-prefix", &hashes(0..20), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 8)])
     );
     // Re-inserting is idempotent.
     d.insert(&a, "ns-prefix", &hashes(0..4)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-prefix", &hashes(0..8)).await.unwrap(),
+        d.query_prefix("ns-prefix", &hashes(0..8), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 8)])
     );
     // A request starting with an unknown hash finds nothing.
     assert!(d
-        .query_prefix("ns-prefix", &hashes(100..104))
+        .query_prefix("ns-prefix", &hashes(100..104), None)
         .await
         .unwrap()
         .is_empty());
@@ -124,7 +131,9 @@ pub async fn prefix_stops_at_the_first_hash_nobody_holds(f: &dyn DirectoryFixtur
     held.extend(hashes(4..10));
     d.insert(&a, "ns-gap", &held).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-gap", &hashes(0..10)).await.unwrap(),
+        d.query_prefix("ns-gap", &hashes(0..10), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 3)])
     );
 }
@@ -143,14 +152,18 @@ pub async fn the_plan_takes_the_longest_run_at_each_position(f: &dyn DirectoryFi
     d.insert(&b, "ns-multi", &hashes(0..4)).await.unwrap();
     d.insert(&c, "ns-multi", &hashes(5..10)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-multi", &hashes(0..10)).await.unwrap(),
+        d.query_prefix("ns-multi", &hashes(0..10), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 10)])
     );
     // Overlapping runs: a takes 0..5, b continues from 5 to the end of its run (9).
     d.insert(&a, "ns-overlap", &hashes(0..5)).await.unwrap();
     d.insert(&b, "ns-overlap", &hashes(2..9)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-overlap", &hashes(0..10)).await.unwrap(),
+        d.query_prefix("ns-overlap", &hashes(0..10), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 5), (&b, 4)])
     );
     // Alternating holders: a, b, a again.
@@ -158,14 +171,16 @@ pub async fn the_plan_takes_the_longest_run_at_each_position(f: &dyn DirectoryFi
     d.insert(&a, "ns-alt", &hashes(5..8)).await.unwrap();
     d.insert(&b, "ns-alt", &hashes(3..5)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-alt", &hashes(0..10)).await.unwrap(),
+        d.query_prefix("ns-alt", &hashes(0..10), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 3), (&b, 2), (&a, 3)])
     );
     // A tie goes to the smallest address, whatever the insertion order.
     d.insert(&c, "ns-tie", &hashes(0..4)).await.unwrap();
     d.insert(&b, "ns-tie", &hashes(0..4)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-tie", &hashes(0..4)).await.unwrap(),
+        d.query_prefix("ns-tie", &hashes(0..4), None).await.unwrap(),
         prefixes(&[(&b, 4)])
     );
 }
@@ -177,12 +192,12 @@ pub async fn namespaces_are_separate(f: &dyn DirectoryFixture) {
     d.heartbeat(&a).await.unwrap();
     d.insert(&a, "ns-one", &hashes(0..4)).await.unwrap();
     assert!(d
-        .query_prefix("ns-two", &hashes(0..4))
+        .query_prefix("ns-two", &hashes(0..4), None)
         .await
         .unwrap()
         .is_empty());
     assert_eq!(
-        d.query_prefix("ns-one", &hashes(0..4)).await.unwrap(),
+        d.query_prefix("ns-one", &hashes(0..4), None).await.unwrap(),
         prefixes(&[(&a, 4)])
     );
 }
@@ -197,7 +212,7 @@ pub async fn insert_and_remove_need_the_session(f: &dyn DirectoryFixture) {
         other => panic!("insert before any heartbeat: want UnknownNode, got {other:?}"),
     }
     assert!(d
-        .query_prefix("ns-session", &hashes(0..2))
+        .query_prefix("ns-session", &hashes(0..2), None)
         .await
         .unwrap()
         .is_empty());
@@ -220,7 +235,9 @@ pub async fn insert_and_remove_need_the_session(f: &dyn DirectoryFixture) {
         "a removal under a session that does not hold the address is refused"
     );
     assert_eq!(
-        d.query_prefix("ns-session", &hashes(0..4)).await.unwrap(),
+        d.query_prefix("ns-session", &hashes(0..4), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 2)])
     );
 }
@@ -237,13 +254,17 @@ pub async fn removal_is_owner_checked(f: &dyn DirectoryFixture) {
     let removed = d.remove(&b, "ns-remove", &hashes(0..6)).await.unwrap();
     assert_eq!(removed, 3, "only b's own entries count as removed");
     assert_eq!(
-        d.query_prefix("ns-remove", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns-remove", &hashes(0..6), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 6)])
     );
     // a removes the middle: its prefix ends there.
     assert_eq!(d.remove(&a, "ns-remove", &[h(2)]).await.unwrap(), 1);
     assert_eq!(
-        d.query_prefix("ns-remove", &hashes(0..6)).await.unwrap(),
+        d.query_prefix("ns-remove", &hashes(0..6), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 2)])
     );
     // Removing again removes nothing.
@@ -260,7 +281,9 @@ pub async fn unregister_forgets_the_session(f: &dyn DirectoryFixture) {
     d.insert(&b, "ns-unreg", &hashes(0..2)).await.unwrap();
     d.unregister(&a).await.expect("unregister a live session");
     assert_eq!(
-        d.query_prefix("ns-unreg", &hashes(0..4)).await.unwrap(),
+        d.query_prefix("ns-unreg", &hashes(0..4), None)
+            .await
+            .unwrap(),
         prefixes(&[(&b, 2)])
     );
     assert!(
@@ -278,7 +301,9 @@ pub async fn unregister_forgets_the_session(f: &dyn DirectoryFixture) {
     let again = d.heartbeat(&a).await.unwrap();
     assert!(again.state_lost);
     assert_eq!(
-        d.query_prefix("ns-unreg", &hashes(0..4)).await.unwrap(),
+        d.query_prefix("ns-unreg", &hashes(0..4), None)
+            .await
+            .unwrap(),
         prefixes(&[(&b, 2)])
     );
 }
@@ -295,28 +320,69 @@ pub async fn resync_forgets_entries_but_keeps_the_node(f: &dyn DirectoryFixture)
     d.insert(&b, "ns-resync", &hashes(0..1)).await.unwrap();
     d.resync(&a).await.expect("resync a live session");
     assert_eq!(
-        d.query_prefix("ns-resync", &hashes(0..5)).await.unwrap(),
+        d.query_prefix("ns-resync", &hashes(0..5), None)
+            .await
+            .unwrap(),
         prefixes(&[(&b, 1)])
     );
     assert!(d
-        .query_prefix("ns-resync-2", &hashes(0..5))
+        .query_prefix("ns-resync-2", &hashes(0..5), None)
         .await
         .unwrap()
         .is_empty());
     d.insert(&a, "ns-resync", &hashes(0..2)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-resync", &hashes(0..5)).await.unwrap(),
+        d.query_prefix("ns-resync", &hashes(0..5), None)
+            .await
+            .unwrap(),
         prefixes(&[(&a, 2)])
     );
     // Removing one of the forgotten entries removes nothing.
     assert_eq!(d.remove(&a, "ns-resync-2", &hashes(0..5)).await.unwrap(), 0);
 }
 
+/// With `exclude`, that address counts as holding nothing: the plan goes to the others and
+/// stops where they stop; excluding an unknown address changes nothing.
+pub async fn an_excluded_node_holds_nothing(f: &dyn DirectoryFixture) {
+    let d = f.open();
+    let (a, b, c) = (node(1020), node(1021), node(1022));
+    for n in [&a, &b, &c] {
+        d.heartbeat(n).await.unwrap();
+    }
+    d.insert(&a, "ns-exclude", &hashes(0..6)).await.unwrap();
+    d.insert(&b, "ns-exclude", &hashes(0..2)).await.unwrap();
+    d.insert(&c, "ns-exclude", &hashes(2..4)).await.unwrap();
+    assert_eq!(
+        d.query_prefix("ns-exclude", &hashes(0..6), None)
+            .await
+            .unwrap(),
+        prefixes(&[(&a, 6)])
+    );
+    assert_eq!(
+        d.query_prefix("ns-exclude", &hashes(0..6), Some(&a.addr))
+            .await
+            .unwrap(),
+        prefixes(&[(&b, 2), (&c, 2)])
+    );
+    assert_eq!(
+        d.query_prefix("ns-exclude", &hashes(0..6), Some("10.255.255.1:9"))
+            .await
+            .unwrap(),
+        prefixes(&[(&a, 6)])
+    );
+    assert!(d
+        .query_prefix("ns-exclude", &hashes(2..6), Some(&c.addr))
+        .await
+        .unwrap()
+        .iter()
+        .all(|p| p.node == a.addr));
+}
+
 /// A query without hashes is a malformed request.
 pub async fn empty_query_is_invalid(f: &dyn DirectoryFixture) {
     let d = f.open();
     assert!(matches!(
-        d.query_prefix("ns-empty", &[]).await,
+        d.query_prefix("ns-empty", &[], None).await,
         Err(DirectoryError::Invalid(_))
     ));
 }
@@ -331,7 +397,7 @@ pub async fn large_batches_are_accepted(f: &dyn DirectoryFixture) {
     let got = d.insert(&a, "ns-large", &all).await.unwrap();
     assert_eq!(got.inserted, 40_000);
     assert_eq!(
-        d.query_prefix("ns-large", &all).await.unwrap(),
+        d.query_prefix("ns-large", &all, None).await.unwrap(),
         prefixes(&[(&a, 40_000)])
     );
     assert_eq!(
@@ -339,7 +405,7 @@ pub async fn large_batches_are_accepted(f: &dyn DirectoryFixture) {
         20_000
     );
     assert_eq!(
-        d.query_prefix("ns-large", &all).await.unwrap(),
+        d.query_prefix("ns-large", &all, None).await.unwrap(),
         prefixes(&[(&a, 20_000)])
     );
 }
@@ -388,12 +454,14 @@ pub async fn takeover_only_after_the_holder_is_stale(f: &dyn DirectoryFixture) {
     }
     // The live holder is untouched by the refused takeover.
     assert_eq!(
-        d.query_prefix("ns-takeover", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns-takeover", &hashes(0..3), None)
+            .await
+            .unwrap(),
         prefixes(&[(&old, 3)])
     );
     tokio::time::sleep(f.stale_after() + Duration::from_millis(600)).await;
     assert!(
-        d.query_prefix("ns-takeover", &hashes(0..3))
+        d.query_prefix("ns-takeover", &hashes(0..3), None)
             .await
             .unwrap()
             .is_empty(),
@@ -402,7 +470,7 @@ pub async fn takeover_only_after_the_holder_is_stale(f: &dyn DirectoryFixture) {
     let took = d.heartbeat(&new).await.expect("takeover after stale");
     assert!(took.state_lost);
     assert!(
-        d.query_prefix("ns-takeover", &hashes(0..3))
+        d.query_prefix("ns-takeover", &hashes(0..3), None)
             .await
             .unwrap()
             .is_empty(),
@@ -417,7 +485,9 @@ pub async fn takeover_only_after_the_holder_is_stale(f: &dyn DirectoryFixture) {
     );
     d.insert(&new, "ns-takeover", &hashes(0..1)).await.unwrap();
     assert_eq!(
-        d.query_prefix("ns-takeover", &hashes(0..3)).await.unwrap(),
+        d.query_prefix("ns-takeover", &hashes(0..3), None)
+            .await
+            .unwrap(),
         prefixes(&[(&new, 1)])
     );
 }

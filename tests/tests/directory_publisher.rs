@@ -3,7 +3,8 @@
 //! what DRAM holds is advertised and nothing else (an evicted block is withdrawn); a directory
 //! that is down delays but loses nothing; one that lost its state is refilled by a backfill;
 //! a pending queue too small for the removals forces a resync instead of leaving stale
-//! entries; shutdown unregisters the node.
+//! entries; entries lost behind the server's back come back with the periodic refresh;
+//! shutdown unregisters the node.
 
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, OnceLock};
@@ -85,8 +86,9 @@ impl Directory for Flaky {
         &self,
         namespace: &str,
         hashes: &[Vec<u8>],
+        exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError> {
-        self.inner()?.query_prefix(namespace, hashes).await
+        self.inner()?.query_prefix(namespace, hashes, exclude).await
     }
     async fn unregister(&self, node: &NodeId) -> Result<u64, DirectoryError> {
         self.unregisters.fetch_add(1, Ordering::SeqCst);
@@ -137,7 +139,7 @@ async fn save(w: &mut Worker, hs: &[Vec<u8>]) {
 /// Whether the directory (read directly, not through the server) lists this node for `h`.
 async fn listed(h: &[u8]) -> bool {
     let d = flaky().inner.lock().clone();
-    d.query_prefix(NS, &[h.to_vec()])
+    d.query_prefix(NS, &[h.to_vec()], None)
         .await
         .expect("query")
         .iter()
@@ -201,6 +203,7 @@ async fn the_directory_lists_what_dram_holds_through_outages_restarts_and_overfl
             d.advertise_addr = Some(NODE.into());
             d.call_timeout_ms = 500;
             d.queue_depth = 4;
+            d.refresh_secs = 2;
             p.directory = Some(d);
         },
     )
@@ -249,6 +252,17 @@ async fn the_directory_lists_what_dram_holds_through_outages_restarts_and_overfl
     listed_iff_resident(&srv, &all, 8, 15).await;
     assert!(metric(&srv, "pegaflow_metaserver_session_resets_total") > 0);
     assert!(metric(&srv, "pegaflow_directory_backfill_blocks_total") > 0);
+
+    // Entries dropped behind the server's back (as a backend's expiry would): the periodic
+    // refresh inserts them again.
+    let node = dir.node().clone();
+    let inner = flaky().inner.lock().clone();
+    inner
+        .resync(&node)
+        .await
+        .expect("forget the node's entries");
+    listed_iff_resident(&srv, &all, 8, 10).await;
+    assert!(metric(&srv, "pegaflow_directory_resyncs_total{reason=\"refresh\"}") > 0);
 
     // Shutdown leaves the directory.
     srv.shutdown().await;

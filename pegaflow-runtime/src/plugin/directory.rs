@@ -145,7 +145,8 @@ pub trait Directory: Send + Sync + 'static {
     /// The cover plan of the longest prefix of `hashes` (in prefix order) that live
     /// sessions hold: segments in hash order, each the longest run one node holds from where
     /// the previous segment ended (see the module documentation). Empty when no live session
-    /// holds the first hash.
+    /// holds the first hash. With `exclude`, that address counts as holding nothing (a node
+    /// asking for what the others hold; PegaFlow 0.25.1's `exclude_node`).
     ///
     /// # Errors
     /// [`DirectoryError::Invalid`] for an empty list; `Unavailable`.
@@ -153,6 +154,7 @@ pub trait Directory: Send + Sync + 'static {
         &self,
         namespace: &str,
         hashes: &[Vec<u8>],
+        exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError>;
 
     /// Forgets `node` and every entry of its session. Returns the entries forgotten (a
