@@ -3,7 +3,9 @@
 //! queries; an evicted block is withdrawn; a frozen or dead Redis never stalls a Save or a
 //! QueryPrefetch, and queries answer "local only" meanwhile; after a FLUSHALL or a restart of
 //! Redis every server re-advertises what it holds; a server that shuts down leaves the
-//! directory. Skips (printing `SKIP:`) where `redis-server` is not installed.
+//! directory. A `pegaflow-metaserver` over the same Redis answers the MetaServer's
+//! `QueryPrefixBlocks` with every server's blocks. Skips (printing `SKIP:`) where
+//! `redis-server` is not installed (and the MetaServer part where the binary is not built).
 
 use std::future::Future;
 use std::time::{Duration, Instant};
@@ -114,6 +116,77 @@ async fn bounded<T>(limit: Duration, what: &str, f: impl Future<Output = T>) -> 
     }
 }
 
+/// Our `pegaflow-metaserver` over the Redis at `url` under `prefix`, on a free port, killed
+/// when dropped; `None` (printing `SKIP:`) when the binary is not built.
+struct MetaServer(std::process::Child, u16);
+
+impl MetaServer {
+    fn start(url: &str, prefix: &str) -> Option<Self> {
+        let bin = std::env::var("PEGAFLOW_METASERVER_BIN")
+            .map(std::path::PathBuf::from)
+            .unwrap_or_else(|_| {
+                std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+                    .join("../target/debug/pegaflow-metaserver")
+            });
+        if !bin.is_file() {
+            println!("SKIP: QueryPrefixBlocks through pegaflow-metaserver: {} is not built (cargo build --workspace)", bin.display());
+            return None;
+        }
+        let port = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let http = std::net::TcpListener::bind("127.0.0.1:0")
+            .unwrap()
+            .local_addr()
+            .unwrap()
+            .port();
+        let child = std::process::Command::new(&bin)
+            .args(["--addr", &format!("127.0.0.1:{port}")])
+            .args(["--http-addr", &format!("127.0.0.1:{http}")])
+            .args(["--redis", url, "--redis-key-prefix", prefix])
+            .args(["--log-level", "warn"])
+            .spawn()
+            .expect("start pegaflow-metaserver");
+        let end = Instant::now() + Duration::from_secs(20);
+        while std::net::TcpStream::connect(("127.0.0.1", port)).is_err() {
+            assert!(Instant::now() < end, "pegaflow-metaserver did not listen");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        Some(Self(child, port))
+    }
+
+    /// `QueryPrefixBlocks` over gRPC: the plan as (node, length) pairs.
+    async fn query(&self, hs: &[Vec<u8>]) -> Vec<(String, u32)> {
+        let mut c = pegaflow_proto::meta_server_client::MetaServerClient::connect(format!(
+            "http://127.0.0.1:{}",
+            self.1
+        ))
+        .await
+        .expect("connect to pegaflow-metaserver");
+        c.query_prefix_blocks(pegaflow_proto::QueryPrefixBlocksRequest {
+            namespace: NS.into(),
+            block_hashes: hs.to_vec(),
+            exclude_node: String::new(),
+        })
+        .await
+        .expect("QueryPrefixBlocks")
+        .into_inner()
+        .nodes
+        .into_iter()
+        .map(|n| (n.node, n.prefix_len))
+        .collect()
+    }
+}
+
+impl Drop for MetaServer {
+    fn drop(&mut self) {
+        let _ = self.0.kill();
+        let _ = self.0.wait();
+    }
+}
+
 fn resident(store: &TierStack, h: &[u8]) -> bool {
     store.contains(pegaflow_runtime::block::KeyRef {
         namespace: NS,
@@ -157,6 +230,26 @@ async fn three_servers_share_one_redis_directory() {
             )
             .await;
         }
+    }
+
+    // The MetaServer protocol over the same Redis: QueryPrefixBlocks lists each server's
+    // blocks; a plan across two servers' runs has two segments.
+    if let Some(ms) = MetaServer::start(&url, &prefix) {
+        for (j, other) in servers.iter().enumerate() {
+            assert_eq!(
+                ms.query(&hashes(tags[j], 16)).await,
+                vec![(addr(other), 16)],
+                "QueryPrefixBlocks lists server {j}'s blocks"
+            );
+        }
+        let mut mixed = hashes("a", 16);
+        mixed.extend(hashes("b", 16));
+        // b's hashes are not a continuation of a's in any server, but the plan only needs
+        // each hash held: a covers the first 16, b the next 16.
+        assert_eq!(
+            ms.query(&mixed).await,
+            vec![(addr(&servers[0]), 16), (addr(&servers[1]), 16)]
+        );
     }
 
     // Server a saves three times its DRAM: what it evicted is withdrawn, what it holds stays.
