@@ -3,11 +3,22 @@
 //! `u64 offset` at byte 0, then at `offset`: `u32 magic 0x50464C44`, `u32 version 1`,
 //! `i64 state` (0 pending, 1 success, < 0 failure), written with release ordering.
 //!
-//! The server attaches and stores the final state; tests and CPU clients create one.
+//! Two handles, one per side:
+//! - [`LoadState`], the creator's (a CPU client, a test, the bench): creates the object, maps
+//!   it and polls the word, as `PyLoadState` does.
+//! - [`LoadStateWriter`], the server's: attaches a client's object and stores the final state.
+//!   It must never map the object. The client owns it and may truncate it at any moment; a
+//!   load or store through a mapping of a file that shrank under it is a SIGBUS, and a SIGBUS
+//!   kills the whole server (issue 14: `ftruncate` to 0 right after the Load RPC returned did,
+//!   3 of 3 tries). Through the descriptor nothing can fault: `pread` past the end returns
+//!   short, `pwrite` past the end extends the file, and both copy with the kernel's
+//!   fault-handled user copies.
 
 use std::ffi::CString;
+use std::fs::File;
 use std::os::fd::{AsRawFd, OwnedFd};
-use std::sync::atomic::{AtomicI64, Ordering};
+use std::os::unix::fs::FileExt;
+use std::sync::atomic::{fence, AtomicI64, Ordering};
 
 use crate::ApiError;
 
@@ -24,13 +35,15 @@ pub const LOAD_SUCCESS: i64 = 1;
 /// State value the server writes when a load fails.
 pub const LOAD_FAILED: i64 = -1;
 
-/// A mapped load-state object. Dropping it unmaps; the creator also unlinks the name.
+/// A load-state object its creator made and mapped. Dropping it unmaps and unlinks the name.
+///
+/// The mapping faults if someone else truncates the object: only its creator, who owns the
+/// object, may hold one. The server attaches with [`LoadStateWriter`].
 pub struct LoadState {
     ptr: *mut u8,
     len: usize,
     offset: usize,
     name: String,
-    unlink_on_drop: bool,
 }
 
 // SAFETY: the mapping is shared memory accessed only through atomics and plain reads of
@@ -108,64 +121,14 @@ impl LoadState {
             len: LOAD_STATE_BYTES,
             offset,
             name,
-            unlink_on_drop: true,
         };
         s.atomic().store(LOAD_PENDING, Ordering::Release);
         Ok(s)
     }
 
-    /// Attaches an object a client created, checking its size, offset, alignment, magic and
-    /// version (the checks of PegaFlow's attach). The name has no leading `/`.
-    pub fn attach(name: &str) -> Result<Self, ApiError> {
-        if name.is_empty() || name.contains('/') || name.len() > 200 {
-            return Err(ApiError::InvalidArgument(format!(
-                "load_state_shm {name:?} is not a shared-memory object name"
-            )));
-        }
-        let fd = shm_open(name, libc::O_RDWR)?;
-        let st = nix::sys::stat::fstat(&fd)
-            .map_err(|e| ApiError::io(format!("fstat {name}"), e.into()))?;
-        let len = st.st_size as usize;
-        if len < LOAD_STATE_BYTES {
-            return Err(ApiError::InvalidArgument(format!(
-                "load state {name} is {len} bytes, expected at least {LOAD_STATE_BYTES}"
-            )));
-        }
-        let ptr = map(&fd, len, "mmap load state")?;
-        let mut s = Self {
-            ptr,
-            len,
-            offset: 8,
-            name: name.to_string(),
-            unlink_on_drop: false,
-        };
-        // SAFETY: ptr maps `len >= 32` bytes.
-        let offset = unsafe { std::ptr::read_unaligned(ptr.cast::<u64>()) } as usize;
-        if offset < 8 || offset.checked_add(16).is_none_or(|e| e > len) || !offset.is_multiple_of(8)
-        {
-            return Err(ApiError::InvalidArgument(format!(
-                "load state {name} has an invalid offset {offset}"
-            )));
-        }
-        s.offset = offset;
-        // SAFETY: offset + 8 <= len was checked.
-        let (magic, version) = unsafe {
-            (
-                std::ptr::read_unaligned(ptr.add(offset).cast::<u32>()),
-                std::ptr::read_unaligned(ptr.add(offset + 4).cast::<u32>()),
-            )
-        };
-        if magic != LOAD_STATE_MAGIC || version != LOAD_STATE_VERSION {
-            return Err(ApiError::InvalidArgument(format!(
-                "load state {name} has magic {magic:#x} version {version}, expected {LOAD_STATE_MAGIC:#x} version {LOAD_STATE_VERSION}"
-            )));
-        }
-        Ok(s)
-    }
-
     fn atomic(&self) -> &AtomicI64 {
-        // SAFETY: offset + 16 <= len and offset is 8-aligned (mmap is page-aligned), so the i64
-        // at offset + 8 is aligned and inside the mapping for the lifetime of self.
+        // SAFETY: create() maps len = 32 bytes with offset = 8, so the i64 at offset + 8 is
+        // aligned (mmap is page-aligned) and inside the mapping for the lifetime of self.
         unsafe { &*self.ptr.add(self.offset + 8).cast::<AtomicI64>() }
     }
 
@@ -201,11 +164,155 @@ impl Drop for LoadState {
     fn drop(&mut self) {
         // SAFETY: ptr/len came from a successful mmap.
         unsafe { libc::munmap(self.ptr.cast(), self.len) };
-        if self.unlink_on_drop {
-            if let Ok(c) = CString::new(format!("/{}", self.name)) {
-                // SAFETY: valid C string.
-                unsafe { libc::shm_unlink(c.as_ptr()) };
-            }
+        if let Ok(c) = CString::new(format!("/{}", self.name)) {
+            // SAFETY: valid C string.
+            unsafe { libc::shm_unlink(c.as_ptr()) };
+        }
+    }
+}
+
+/// The server's handle on a client's load-state object: its descriptor and where the word is,
+/// never a mapping (see the module doc).
+///
+/// A client can truncate, regrow, resize or unlink the object at any time. None of it can
+/// fault the server: [`attach`](Self::attach) reads the header with `pread` and refuses a
+/// short read; [`complete`](Self::complete) checks the size and writes with `pwrite`. What
+/// reaches the client is then its own business: a client that shrank the object below the
+/// word is not told (its own mapping of the word would fault for it).
+#[derive(Debug)]
+pub struct LoadStateWriter {
+    file: File,
+    /// Byte offset of the i64 state word in the object: the struct's offset + 8.
+    word_offset: u64,
+    name: String,
+}
+
+impl LoadStateWriter {
+    /// Attaches an object a client created, checking its size, offset, alignment, magic and
+    /// version (the checks of PegaFlow's attach). The name has no leading `/`.
+    ///
+    /// # Errors
+    /// [`ApiError::InvalidArgument`] for a bad name or an object that is not a load state
+    /// (including one that shrinks while it is read); [`ApiError::Io`] when it cannot be
+    /// opened or read.
+    pub fn attach(name: &str) -> Result<Self, ApiError> {
+        if name.is_empty() || name.contains('/') || name.len() > 200 {
+            return Err(ApiError::InvalidArgument(format!(
+                "load_state_shm {name:?} is not a shared-memory object name"
+            )));
+        }
+        let file = File::from(shm_open(name, libc::O_RDWR)?);
+        let meta = file
+            .metadata()
+            .map_err(|e| ApiError::io(format!("fstat {name}"), e))?;
+        if !meta.file_type().is_file() {
+            return Err(ApiError::InvalidArgument(format!(
+                "load state {name} is not a regular file"
+            )));
+        }
+        let len = meta.len();
+        if len < LOAD_STATE_BYTES as u64 {
+            return Err(ApiError::InvalidArgument(format!(
+                "load state {name} is {len} bytes, expected at least {LOAD_STATE_BYTES}"
+            )));
+        }
+        // A file that shrinks between the fstat and a read makes the read short, never fault.
+        let read = |buf: &mut [u8; 8], at: u64| {
+            file.read_exact_at(buf, at).map_err(|e| {
+                if e.kind() == std::io::ErrorKind::UnexpectedEof {
+                    ApiError::InvalidArgument(format!(
+                        "load state {name} shrank while the server attached it"
+                    ))
+                } else {
+                    ApiError::io(format!("read load state {name}"), e)
+                }
+            })
+        };
+        let mut word = [0u8; 8];
+        read(&mut word, 0)?;
+        let offset = u64::from_le_bytes(word);
+        if offset < 8 || offset.checked_add(16).is_none_or(|e| e > len) || !offset.is_multiple_of(8)
+        {
+            return Err(ApiError::InvalidArgument(format!(
+                "load state {name} has an invalid offset {offset}"
+            )));
+        }
+        read(&mut word, offset)?;
+        let magic = u32::from_le_bytes([word[0], word[1], word[2], word[3]]);
+        let version = u32::from_le_bytes([word[4], word[5], word[6], word[7]]);
+        if magic != LOAD_STATE_MAGIC || version != LOAD_STATE_VERSION {
+            return Err(ApiError::InvalidArgument(format!(
+                "load state {name} has magic {magic:#x} version {version}, expected {LOAD_STATE_MAGIC:#x} version {LOAD_STATE_VERSION}"
+            )));
+        }
+        Ok(Self {
+            file,
+            word_offset: offset + 8,
+            name: name.to_string(),
+        })
+    }
+
+    /// The object's name (no leading `/`).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// Stores the final `state` (non-zero: [`LOAD_SUCCESS`] or a negative failure) into the
+    /// pending word, with release ordering: everything this thread observed before (the
+    /// copy's completion) is visible to a client that reads the new state with acquire.
+    ///
+    /// Cannot fault: the size is checked first, and the write is a `pwrite`. When the client
+    /// shrank the object below the word, nothing is written (writing would regrow the file
+    /// and the client could not read it anyway). A truncation racing between the check and the
+    /// write makes the `pwrite` extend the file with zeros up to the word: still no fault.
+    ///
+    /// Cannot tear into a wrong outcome. The kernel copies a `pwrite`'s bytes with its user-copy
+    /// routine (`rep movsb` on x86-64 CPUs with fast short strings), which promises no
+    /// single-copy atomicity beyond one byte, so the store is arranged so that no mix of old
+    /// and new bytes reads as the wrong outcome, starting from the pending 0 the client
+    /// created:
+    /// - `state > 0` is written in one `pwrite`: bytes 1..8 are written with the zeros they
+    ///   already hold, and the top byte stays below 0x80, so a reader sees 0 or a positive
+    ///   value; for [`LOAD_SUCCESS`] only byte 0 changes, so a reader sees exactly 0 or 1.
+    /// - `state < 0` is written in two: first the sign byte alone (a one-byte store cannot
+    ///   tear), then the other seven. From the first write on, the word is negative whatever
+    ///   mix a reader catches, so it reads as failed; between the two writes (two syscalls)
+    ///   a reader can catch a negative value other than the final one (for [`LOAD_FAILED`],
+    ///   e.g. `0xFF00_0000_0000_0000`). The published client only tests `state < 0`.
+    ///
+    /// # Errors
+    /// [`ApiError::InvalidArgument`] when the object shrank below the word (nothing written);
+    /// [`ApiError::Io`] when `fstat` or `pwrite` fails (e.g. `/dev/shm` is full).
+    pub fn complete(&self, state: i64) -> Result<(), ApiError> {
+        let len = self
+            .file
+            .metadata()
+            .map_err(|e| ApiError::io(format!("fstat load state {}", self.name), e))?
+            .len();
+        if len < self.word_offset + 8 {
+            return Err(ApiError::InvalidArgument(format!(
+                "load state {} shrank to {len} bytes under the server (its state word is at \
+                 bytes {}..{}): not written",
+                self.name,
+                self.word_offset,
+                self.word_offset + 8
+            )));
+        }
+        // Orders this thread's earlier accesses before the stores the kernel makes for us
+        // (the `pwrite` is a syscall, not an atomic of ours; the fence is what makes it a
+        // release store: `dmb ish` on arm64, a compiler barrier on x86-64's TSO).
+        fence(Ordering::Release);
+        let bytes = state.to_le_bytes();
+        let write = |buf: &[u8], at: u64| {
+            self.file
+                .write_all_at(buf, at)
+                .map_err(|e| ApiError::io(format!("write load state {}", self.name), e))
+        };
+        if state < 0 {
+            write(&bytes[7..], self.word_offset + 7)?;
+            write(&bytes[..7], self.word_offset)
+        } else {
+            write(&bytes, self.word_offset)
         }
     }
 }
@@ -214,30 +321,110 @@ impl Drop for LoadState {
 mod tests {
     use super::*;
 
+    fn path(s: &LoadState) -> String {
+        format!("/dev/shm/{}", s.name())
+    }
+
+    fn set_len(s: &LoadState, len: u64) {
+        std::fs::OpenOptions::new()
+            .write(true)
+            .open(path(s))
+            .unwrap()
+            .set_len(len)
+            .unwrap();
+    }
+
     #[test]
     fn create_attach_roundtrip() {
         let a = LoadState::create().unwrap();
         assert!(a.name().starts_with("pega_load_"));
         assert_eq!(a.name().len(), "pega_load_".len() + 32);
-        let b = LoadState::attach(a.name()).unwrap();
-        assert_eq!(b.get(), LOAD_PENDING);
-        b.set(LOAD_FAILED);
+        let b = LoadStateWriter::attach(a.name()).unwrap();
+        assert_eq!(b.name(), a.name());
+        assert_eq!(a.get(), LOAD_PENDING);
+        b.complete(LOAD_FAILED).unwrap();
         assert_eq!(a.get(), LOAD_FAILED);
-        let bytes = std::fs::read(format!("/dev/shm/{}", a.name())).unwrap();
+        let bytes = std::fs::read(path(&a)).unwrap();
         assert_eq!(
             &bytes[..16],
             &[8, 0, 0, 0, 0, 0, 0, 0, 0x44, 0x4c, 0x46, 0x50, 1, 0, 0, 0]
         );
+        for state in [LOAD_SUCCESS, -42, i64::MIN, 1 << 40] {
+            a.set(LOAD_PENDING);
+            b.complete(state).unwrap();
+            assert_eq!(a.get(), state);
+        }
+        // The unlinked object stays writable through the descriptor.
+        std::fs::remove_file(path(&a)).unwrap();
+        a.set(LOAD_PENDING);
+        b.complete(LOAD_SUCCESS).unwrap();
+        assert_eq!(a.get(), LOAD_SUCCESS);
+    }
+
+    #[test]
+    fn a_non_default_offset_is_honoured() {
+        let a = LoadState::create().unwrap();
+        set_len(&a, 64);
+        let mut raw = [0u8; 64];
+        raw[..8].copy_from_slice(&16u64.to_le_bytes());
+        raw[16..20].copy_from_slice(&LOAD_STATE_MAGIC.to_le_bytes());
+        raw[20..24].copy_from_slice(&LOAD_STATE_VERSION.to_le_bytes());
+        std::fs::write(path(&a), raw).unwrap();
+        LoadStateWriter::attach(a.name())
+            .unwrap()
+            .complete(LOAD_SUCCESS)
+            .unwrap();
+        let bytes = std::fs::read(path(&a)).unwrap();
+        assert_eq!(i64::from_le_bytes(bytes[24..32].try_into().unwrap()), 1);
+        assert_eq!(&bytes[8..16], &[0; 8], "the default word is untouched");
+    }
+
+    #[test]
+    fn a_shrunk_object_is_not_written_and_does_not_fault() {
+        let a = LoadState::create().unwrap();
+        let b = LoadStateWriter::attach(a.name()).unwrap();
+        for len in [0, 8, 23] {
+            set_len(&a, len);
+            let e = b.complete(LOAD_SUCCESS).unwrap_err();
+            assert!(e.to_string().contains("shrank"), "{e}");
+            assert_eq!(std::fs::metadata(path(&a)).unwrap().len(), len);
+        }
+        // Regrown (zeroed): the word lands again, and `a`'s mapping sees it.
+        set_len(&a, 24);
+        b.complete(LOAD_SUCCESS).unwrap();
+        assert_eq!(a.get(), LOAD_SUCCESS);
+        // Resized huge: still one word at the same place.
+        set_len(&a, 1 << 40);
+        b.complete(LOAD_FAILED).unwrap();
+        assert_eq!(a.get(), LOAD_FAILED);
     }
 
     #[test]
     fn attach_rejects_bad_objects() {
-        assert!(LoadState::attach("pega_load_does_not_exist").is_err());
-        assert!(LoadState::attach("../etc/passwd").is_err());
-        assert!(LoadState::attach("").is_err());
+        assert!(LoadStateWriter::attach("pega_load_does_not_exist").is_err());
+        assert!(LoadStateWriter::attach("../etc/passwd").is_err());
+        assert!(LoadStateWriter::attach("").is_err());
         let name = format!("pega_bad_{}", uuid::Uuid::new_v4().simple());
-        std::fs::write(format!("/dev/shm/{name}"), [0u8; 32]).unwrap();
-        assert!(LoadState::attach(&name).is_err());
-        std::fs::remove_file(format!("/dev/shm/{name}")).unwrap();
+        let file = format!("/dev/shm/{name}");
+        let header = |offset: u64, magic: u32| {
+            let mut raw = [0u8; 32];
+            raw[..8].copy_from_slice(&offset.to_le_bytes());
+            raw[8..12].copy_from_slice(&magic.to_le_bytes());
+            raw[12..16].copy_from_slice(&LOAD_STATE_VERSION.to_le_bytes());
+            raw
+        };
+        let cases: [(&[u8], &str); 5] = [
+            (&[0u8; 32], "offset 0"),
+            (&header(8, LOAD_STATE_MAGIC)[..31], "31 bytes"),
+            (&header(12, LOAD_STATE_MAGIC), "offset 12"),
+            (&header(24, LOAD_STATE_MAGIC), "offset 24"),
+            (&header(8, 0xdead), "magic 0xdead"),
+        ];
+        for (content, needle) in cases {
+            std::fs::write(&file, content).unwrap();
+            let e = LoadStateWriter::attach(&name).unwrap_err();
+            assert!(e.to_string().contains(needle), "{needle}: {e}");
+        }
+        std::fs::remove_file(&file).unwrap();
     }
 }

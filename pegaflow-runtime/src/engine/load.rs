@@ -5,14 +5,16 @@
 //!
 //! Owns those steps. Must never: consume a lease before every lease, count, layer and slot
 //! shape of the request has been checked (a refused load changes nothing but the −1 it
-//! reports), address a destination block outside the layer's layout, or report success for
-//! a copy that did not finish.
+//! reports), address a destination block outside the layer's layout, report success for
+//! a copy that did not finish, or map the client's load-state object (the client can shrink
+//! it under us; the word is written with `pwrite` through [`LoadStateWriter`], which cannot
+//! fault, and a word that cannot be written counts the load as failed).
 
 use std::collections::HashSet;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pegaflow_api::load_state::{LoadState, LOAD_FAILED, LOAD_SUCCESS};
+use pegaflow_api::load_state::{LoadStateWriter, LOAD_FAILED, LOAD_SUCCESS};
 use pegaflow_api::LEASE_BYTES;
 
 use super::command::{LeaseLoad, LoadCommand, LoadCompletion};
@@ -59,18 +61,16 @@ impl Engine {
         let prepared = match self.prepare_load(&cmd) {
             Ok(p) => p,
             Err(e) => {
-                if let Some(s) = &state {
-                    s.set(LOAD_FAILED);
-                }
+                // The refusal is what the RPC reports; a word that cannot be written is logged.
+                let _ = complete(state.as_ref(), LOAD_FAILED);
                 self.metrics.load_failures.inc();
                 return Err(e);
             }
         };
         let Some(p) = prepared else {
-            if let Some(s) = &state {
-                s.set(LOAD_SUCCESS);
-            }
-            return Ok(());
+            return complete(state.as_ref(), LOAD_SUCCESS).inspect_err(|_| {
+                self.metrics.load_failures.inc();
+            });
         };
         let task = copy_to_device(self.metrics.clone(), p, state);
         if cmd.completion == LoadCompletion::Wait {
@@ -195,14 +195,28 @@ impl Engine {
     }
 }
 
-/// The client's load-state word, when the load reports through one.
-fn attach_state(completion: &LoadCompletion) -> EngineResult<Option<LoadState>> {
+/// The client's load-state word, when the load reports through one. Attached by descriptor,
+/// never mapped: the client can truncate the object at any time (see [`LoadStateWriter`]).
+fn attach_state(completion: &LoadCompletion) -> EngineResult<Option<LoadStateWriter>> {
     match completion {
         LoadCompletion::Wait => Ok(None),
-        LoadCompletion::StateWord(name) => LoadState::attach(name)
+        LoadCompletion::StateWord(name) => LoadStateWriter::attach(name)
             .map(Some)
             .map_err(|e| EngineError::internal(format!("cannot attach load state {name:?}: {e}"))),
     }
+}
+
+/// Writes the final `value` to the load-state word, if there is one. A word that cannot be
+/// written (the client shrank the object under us, `/dev/shm` is full) is an error, logged
+/// here: the client will never learn the outcome, so the caller counts the load as failed.
+fn complete(state: Option<&LoadStateWriter>, value: i64) -> EngineResult<()> {
+    let Some(s) = state else {
+        return Ok(());
+    };
+    s.complete(value).map_err(|e| {
+        tracing::warn!(load_state = s.name(), value, error = %e, "cannot write the load state");
+        EngineError::internal(format!("cannot write load state {:?}: {e}", s.name()))
+    })
 }
 
 /// Resolves the load groups to layers (each layer in one group only, registered on the
@@ -317,7 +331,7 @@ fn check_group_targets(
 async fn copy_to_device(
     metrics: Arc<Metrics>,
     p: Prepared,
-    state: Option<LoadState>,
+    state: Option<LoadStateWriter>,
 ) -> EngineResult<()> {
     let transport = p.wl.worker.transport.clone();
     let batch = CopyBatch {
@@ -341,8 +355,12 @@ async fn copy_to_device(
             tracing::warn!(error = %e, "load failed");
         }
     }
-    if let Some(s) = &state {
-        s.set(if r.is_ok() { LOAD_SUCCESS } else { LOAD_FAILED });
+    let value = if r.is_ok() { LOAD_SUCCESS } else { LOAD_FAILED };
+    let done = complete(state.as_ref(), value);
+    // A copy that landed but whose success the client cannot learn counts as a failed load
+    // (the client times out and recomputes); a failed copy was counted above.
+    if r.is_ok() && done.is_err() {
+        metrics.load_failures.inc();
     }
-    r
+    r.and(done)
 }

@@ -1,5 +1,18 @@
 //! The `host-memfd` registrar: a client's host KV memory, shared as a memfd on the fd side
 //! channel and described by per-layer views, mapped shared into the server.
+//!
+//! This mapping is the one place the server maps memory a client shares with it (CUDA IPC
+//! and VMM registrations are device memory the driver maps; the load-state word is written
+//! with `pwrite`, never mapped: `pegaflow_api::load_state::LoadStateWriter`). Every copy
+//! into or out of a registration touches this mapping, and a shared mapping of a file that
+//! shrinks faults (SIGBUS, which kills the server) on the lost pages. So the registrar must
+//! never map a memfd that its client can still shrink: it adds `F_SEAL_SHRINK` before it
+//! maps, and refuses a memfd on which that seal is not in effect afterwards (one created
+//! without `MFD_ALLOW_SEALING`, or whose seals the client sealed first), unless the operator
+//! turned `require_shrink_seal` off. The other ways a client can change the memory are
+//! harmless: growing it (only the registered length is mapped), punching holes or
+//! `MADV_REMOVE` (those pages read back as zeros), `F_SEAL_FUTURE_WRITE` (the mapping exists
+//! already; `F_SEAL_WRITE` is refused while it does).
 
 use std::os::fd::{AsFd, OwnedFd};
 use std::sync::Arc;
@@ -32,9 +45,11 @@ pub const MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::HostMemfd as i32;
 /// on the side channel).
 ///
 /// Import takes the descriptor sent for `(instance_id, device_id)` on the fd side channel,
-/// checks it is a regular file (a memfd) of at least `alloc_size` bytes, maps `alloc_size`
-/// bytes shared read-write, closes the descriptor, and returns one region per view. All the
-/// regions share one mapping, unmapped when the last region is dropped.
+/// checks it is a regular file (a memfd) of at least `alloc_size` bytes, seals it against
+/// shrinking (refusing it when that seal cannot be in effect, unless `require_shrink_seal` is
+/// off), maps `alloc_size` bytes shared read-write, closes the descriptor, and returns one
+/// region per view. All the regions share one mapping, unmapped when the last region is
+/// dropped.
 #[derive(Debug)]
 pub struct HostMemfdRegistrar {
     channel: Option<Arc<FdChannel>>,
@@ -66,7 +81,9 @@ pub struct HostMemfdConfig {
     /// Seconds an import waits for its memfd on the side channel, 0 to 3600 (fractions
     /// allowed).
     pub fd_timeout_secs: f64,
-    /// Refuse memfds that cannot be sealed against shrinking.
+    /// Refuse memfds that cannot be sealed against shrinking (default true). Off, they are
+    /// accepted with a warning, and a client that shrinks one while it is mapped crashes the
+    /// server with SIGBUS.
     pub require_shrink_seal: bool,
 }
 
@@ -74,7 +91,7 @@ impl Default for HostMemfdConfig {
     fn default() -> Self {
         Self {
             fd_timeout_secs: DEFAULT_FD_TIMEOUT.as_secs_f64(),
-            require_shrink_seal: false,
+            require_shrink_seal: true,
         }
     }
 }
@@ -89,6 +106,14 @@ pub(crate) fn build(
     if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
         anyhow::bail!(
             "host-memfd registrar: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}"
+        );
+    }
+    if !c.require_shrink_seal {
+        warn!(
+            "host-memfd registrar: require_shrink_seal = false: memfds that cannot be sealed \
+             against shrinking are accepted, and a client that shrinks one while it is \
+             registered crashes the whole server with SIGBUS; turn it off only for trusted \
+             clients that cannot create their memfds with MFD_ALLOW_SEALING"
         );
     }
     Ok(Arc::new(HostMemfdRegistrar::new(
@@ -139,7 +164,8 @@ impl Drop for MemfdMapping {
     }
 }
 
-/// Checks the memfd, seals it against shrinking where possible, and maps `len` bytes of it.
+/// Checks the memfd, seals it against shrinking (refused when the seal is not in effect
+/// afterwards, unless `require_shrink_seal` is off), and maps `len` bytes of it.
 fn map_memfd(
     fd: OwnedFd,
     len: usize,
@@ -160,21 +186,34 @@ fn map_memfd(
         )));
     }
     // A shared mapping of a file that later shrinks faults (SIGBUS) on access to the lost
-    // pages; sealing makes shrinking impossible for everyone.
-    match fcntl(fd.as_fd(), FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK)) {
-        Ok(_) => {}
-        Err(e) if require_shrink_seal => {
+    // pages; sealing makes shrinking impossible for everyone, us included. What counts is the
+    // seal in effect afterwards: adding it fails (EPERM) on a memfd the client sealed already,
+    // with or without F_SEAL_SHRINK, and (EINVAL) on files that take no seals at all.
+    let added = fcntl(fd.as_fd(), FcntlArg::F_ADD_SEALS(SealFlag::F_SEAL_SHRINK));
+    let sealed = fcntl(fd.as_fd(), FcntlArg::F_GET_SEALS)
+        .is_ok_and(|s| SealFlag::from_bits_truncate(s).contains(SealFlag::F_SEAL_SHRINK));
+    if !sealed {
+        let why = match added {
+            Ok(_) => "the seal did not take".to_string(),
+            Err(Errno::EPERM) => {
+                "it was created without MFD_ALLOW_SEALING, or its seals are sealed".to_string()
+            }
+            Err(Errno::EINVAL) => "it takes no seals (not a memfd?)".to_string(),
+            Err(e) => e.to_string(),
+        };
+        if require_shrink_seal {
             return Err(RegistrarError::Invalid(format!(
-                "the memfd for {who} cannot be sealed against shrinking ({e}); create it with \
-                 MFD_ALLOW_SEALING"
-            )))
+                "the memfd for {who} cannot be sealed against shrinking ({why}); create it \
+                 with MFD_ALLOW_SEALING"
+            )));
         }
-        Err(Errno::EPERM) | Err(Errno::EINVAL) => warn!(
+        warn!(
             who,
-            "host-memfd: the memfd cannot be sealed against shrinking; a client that shrinks it \
-             while mapped can crash the server (create it with MFD_ALLOW_SEALING)"
-        ),
-        Err(e) => warn!(who, error = %e, "host-memfd: sealing the memfd failed"),
+            why,
+            "host-memfd: accepting a memfd that cannot be sealed against shrinking \
+             (require_shrink_seal = false); a client that shrinks it while mapped crashes the \
+             server (create it with MFD_ALLOW_SEALING)"
+        );
     }
     let map = MmapOptions::new().len(len).map_raw(&fd).map_err(|e| {
         RegistrarError::Failed(format!("mmap of the memfd for {who} ({len} bytes): {e}"))
@@ -480,10 +519,69 @@ mod tests {
                 .await,
         );
         assert!(msg.contains("MFD_ALLOW_SEALING"), "{msg}");
+        assert_eq!(f.channel.pending(), 0);
+    }
+
+    /// A memfd of 8192 bytes: sealable or not, and with `seals` already added.
+    fn memfd(sealable: bool, seals: SealFlag) -> OwnedFd {
+        use nix::sys::memfd::MFdFlags;
+        let flags = if sealable {
+            MFdFlags::MFD_CLOEXEC | MFdFlags::MFD_ALLOW_SEALING
+        } else {
+            MFdFlags::MFD_CLOEXEC
+        };
+        let fd = nix::sys::memfd::memfd_create(c"kv", flags).unwrap();
+        nix::unistd::ftruncate(&fd, 8192).unwrap();
+        if !seals.is_empty() {
+            fcntl(fd.as_fd(), FcntlArg::F_ADD_SEALS(seals)).unwrap();
+        }
+        fd
+    }
+
+    #[tokio::test]
+    async fn unsealable_memfds_are_refused_unless_the_operator_opts_out() {
+        let f = fixture().await;
+        let ctx = RuntimeContext {
+            fd_channel: Some(Arc::clone(&f.channel)),
+            ..RuntimeContext::default()
+        };
+        let default = build(&toml::Table::new(), &ctx).unwrap();
+        let lax = build(
+            &toml::from_str("require_shrink_seal = false").unwrap(),
+            &ctx,
+        )
+        .unwrap();
+        let import = |reg: &Arc<dyn Registrar>, id: &'static str, fd: &OwnedFd| {
+            pegaflow_api::fd::send_fd(f.channel.path(), id, 0, fd.as_fd()).unwrap();
+            let reg = Arc::clone(reg);
+            async move { reg.import(request(id, 8192, vec![view(0, 8192)])).await }
+        };
+        // Refused by default: no MFD_ALLOW_SEALING, or the seals sealed without a shrink seal.
+        for (id, fd) in [
+            ("plain", memfd(false, SealFlag::empty())),
+            ("seal-sealed", memfd(true, SealFlag::F_SEAL_SEAL)),
+        ] {
+            let msg = invalid(import(&default, id, &fd).await);
+            assert!(
+                msg.contains("cannot be sealed against shrinking")
+                    && msg.contains("MFD_ALLOW_SEALING"),
+                "{msg}"
+            );
+        }
+        // Sealed against shrinking by the client, seals then sealed: in effect, accepted.
+        let pre = memfd(true, SealFlag::F_SEAL_SHRINK | SealFlag::F_SEAL_SEAL);
+        assert_eq!(import(&default, "pre-sealed", &pre).await.unwrap().len(), 1);
+        // The operator's opt-out accepts an unsealable memfd (with a warning).
+        let plain = memfd(false, SealFlag::empty());
+        assert_eq!(import(&lax, "lax", &plain).await.unwrap().len(), 1);
+        let seals = fcntl(plain.as_fd(), FcntlArg::F_GET_SEALS).unwrap();
+        assert_eq!(seals & SealFlag::F_SEAL_SHRINK.bits(), 0);
+        assert_eq!(f.channel.pending(), 0);
     }
 
     #[test]
     fn options_are_checked() {
+        assert!(HostMemfdConfig::default().require_shrink_seal);
         let ctx = RuntimeContext::default();
         let table = |s: &str| -> toml::Table { toml::from_str(s).unwrap() };
         assert!(build(&table("fd_timeout_secs = 3"), &ctx).is_ok());
