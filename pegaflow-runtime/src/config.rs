@@ -159,6 +159,204 @@ pub struct ServerConfig {
     /// CUDA device ordinals to serve; absent = every device the driver reports.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub devices: Option<Vec<i32>>,
+    /// gRPC connections open at once (`--max-connections`); one more is accepted and closed
+    /// at once. Absent = derived at start-up from the open-file limit
+    /// ([`default_max_connections`]).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_connections: Option<usize>,
+    /// HTTP connections open at once; one more is accepted and closed at once. Kept apart
+    /// from the gRPC connections, so `/health` answers while the gRPC port is flooded.
+    #[serde(default = "default_max_http_connections")]
+    pub max_http_connections: usize,
+    /// Peers that may call the Shutdown RPC, `POST /instances/cleanup` and
+    /// `POST /cache/memory/cleanup` (`--admin-allow`): `"loopback"`, `"any"`, or CIDRs.
+    #[serde(default)]
+    pub admin_allow: AdminAllow,
+}
+
+/// Descriptors [`default_max_connections`] leaves for everything but gRPC connections, on top
+/// of the HTTP connections and the side channel's: files, sockets and pipes of the tiers,
+/// transports and the directory client.
+pub const FD_RESERVE: u64 = 1024;
+
+/// The gRPC connection cap when `max_connections` is not set: the open-file limit, less the
+/// descriptors open at start-up, less [`FD_RESERVE`] and `other_fds` (the HTTP connections and
+/// the side channel's connections and pending descriptors), between 64 and 65,536. An
+/// unlimited limit (`None`) gives 65,536.
+pub fn default_max_connections(nofile: Option<u64>, open_fds: u64, other_fds: u64) -> usize {
+    const FLOOR: u64 = 64;
+    const CEILING: u64 = 65_536;
+    let v = nofile.map_or(CEILING, |n| {
+        n.saturating_sub(open_fds + FD_RESERVE + other_fds)
+    });
+    v.clamp(FLOOR, CEILING) as usize
+}
+
+fn default_max_http_connections() -> usize {
+    256
+}
+
+/// Who may call the destructive admin operations (the Shutdown RPC, `POST /instances/cleanup`,
+/// `POST /cache/memory/cleanup`): every peer (`any`), loopback peers (`loopback`, the
+/// default), peers in listed networks (`10.0.0.0/8`, `fd00::/8`, a bare address), or a mix
+/// (`loopback,10.1.0.0/16`). Written in a pipeline as one string (entries separated by
+/// commas) or a list of strings.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(try_from = "AdminAllowText", into = "AdminAllowText")]
+pub struct AdminAllow {
+    entries: Vec<AdminPeers>,
+}
+
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+enum AdminPeers {
+    Any,
+    Loopback,
+    Net(std::net::IpAddr, u8),
+}
+
+#[derive(Serialize, Deserialize)]
+#[serde(untagged)]
+enum AdminAllowText {
+    One(String),
+    Many(Vec<String>),
+}
+
+impl TryFrom<AdminAllowText> for AdminAllow {
+    type Error = String;
+    fn try_from(t: AdminAllowText) -> Result<Self, String> {
+        let text = match t {
+            AdminAllowText::One(s) => s,
+            AdminAllowText::Many(v) => v.join(","),
+        };
+        Self::parse(&text).map_err(|e| e.to_string())
+    }
+}
+
+impl From<AdminAllow> for AdminAllowText {
+    fn from(a: AdminAllow) -> Self {
+        match a.entries.as_slice() {
+            [one] => Self::One(one.to_string()),
+            many => Self::Many(many.iter().map(|e| e.to_string()).collect()),
+        }
+    }
+}
+
+impl AdminPeers {
+    fn parse(e: &str) -> anyhow::Result<Self> {
+        match e.to_ascii_lowercase().as_str() {
+            "any" => return Ok(Self::Any),
+            "loopback" => return Ok(Self::Loopback),
+            _ => {}
+        }
+        let (ip, len) = match e.split_once('/') {
+            Some((ip, len)) => (ip, Some(len)),
+            None => (e, None),
+        };
+        let ip: std::net::IpAddr = ip.parse().with_context(|| {
+            format!("admin_allow: {e:?} is not `any`, `loopback`, an address or ADDR/LEN")
+        })?;
+        let max = if ip.is_ipv4() { 32 } else { 128 };
+        let len = match len {
+            None => max,
+            Some(l) => match l.parse::<u8>() {
+                Ok(l) if l <= max => l,
+                _ => bail!("admin_allow: {e:?}: the prefix length must be 0..={max}"),
+            },
+        };
+        Ok(Self::Net(ip, len))
+    }
+}
+
+impl std::fmt::Display for AdminPeers {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Any => f.write_str("any"),
+            Self::Loopback => f.write_str("loopback"),
+            Self::Net(ip, len) => write!(f, "{ip}/{len}"),
+        }
+    }
+}
+
+impl std::fmt::Display for AdminAllow {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        for (i, e) in self.entries.iter().enumerate() {
+            if i > 0 {
+                f.write_str(",")?;
+            }
+            write!(f, "{e}")?;
+        }
+        Ok(())
+    }
+}
+
+impl Default for AdminAllow {
+    fn default() -> Self {
+        Self {
+            entries: vec![AdminPeers::Loopback],
+        }
+    }
+}
+
+impl AdminAllow {
+    /// Every peer.
+    pub fn any() -> Self {
+        Self {
+            entries: vec![AdminPeers::Any],
+        }
+    }
+
+    /// Parses comma-separated entries: `any`, `loopback`, `ADDR/LEN` or a bare address.
+    ///
+    /// # Errors
+    /// No entry, or an entry that is none of these (a prefix longer than the address).
+    pub fn parse(text: &str) -> anyhow::Result<Self> {
+        let entries = text
+            .split(',')
+            .map(str::trim)
+            .filter(|e| !e.is_empty())
+            .map(AdminPeers::parse)
+            .collect::<anyhow::Result<Vec<_>>>()?;
+        if entries.is_empty() {
+            bail!("admin_allow is empty: give `loopback` (the default), `any`, or CIDRs");
+        }
+        Ok(Self { entries })
+    }
+
+    /// Whether `peer` may call the admin operations; an unknown peer only under `any`.
+    pub fn permits(&self, peer: Option<std::net::IpAddr>) -> bool {
+        use std::net::IpAddr;
+        let peer = peer.map(|p| p.to_canonical());
+        self.entries.iter().any(|e| match (e, peer) {
+            (AdminPeers::Any, _) => true,
+            (_, None) => false,
+            (AdminPeers::Loopback, Some(p)) => p.is_loopback(),
+            (AdminPeers::Net(IpAddr::V4(net), len), Some(IpAddr::V4(p))) => {
+                let mask = u32::MAX.checked_shl(32 - u32::from(*len)).unwrap_or(0);
+                u32::from(*net) & mask == u32::from(p) & mask
+            }
+            (AdminPeers::Net(IpAddr::V6(net), len), Some(IpAddr::V6(p))) => {
+                let mask = u128::MAX.checked_shl(128 - u32::from(*len)).unwrap_or(0);
+                u128::from(*net) & mask == u128::from(p) & mask
+            }
+            (AdminPeers::Net(..), Some(_)) => false,
+        })
+    }
+}
+
+impl ServerConfig {
+    /// Checks the connection caps.
+    ///
+    /// # Errors
+    /// A cap of 0.
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.max_connections == Some(0) {
+            bail!("[server] max_connections (--max-connections) must be at least 1");
+        }
+        if self.max_http_connections == 0 {
+            bail!("[server] max_http_connections must be at least 1");
+        }
+        Ok(())
+    }
 }
 
 fn default_addr() -> String {
@@ -183,6 +381,9 @@ impl Default for ServerConfig {
             enable_prometheus: true,
             python_registry: true,
             devices: None,
+            max_connections: None,
+            max_http_connections: default_max_http_connections(),
+            admin_allow: AdminAllow::default(),
         }
     }
 }
@@ -425,6 +626,20 @@ pub struct Flags {
     /// Accept Python (pickled CUDA IPC) registrations. This server parses them without Python.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub python_registry: Option<bool>,
+    /// gRPC connections open at once; one more is accepted and closed at once (counted in
+    /// pegaflow_connections_refused_total). [default: the open-file limit less the
+    /// descriptors open at start-up and a reserve, between 64 and 65536]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u64).range(1..))]
+    pub max_connections: Option<u64>,
+    /// Peers that may call the Shutdown RPC, POST /instances/cleanup and POST
+    /// /cache/memory/cleanup: `loopback`, `any`, or comma-separated CIDRs (`10.0.0.0/8`,
+    /// `loopback,fd00::/8`). Others get PERMISSION_DENIED / 403. [default: loopback]
+    #[arg(long, value_name = "LIST", value_parser = parse_admin_allow_arg)]
+    pub admin_allow: Option<AdminAllow>,
+}
+
+fn parse_admin_allow_arg(s: &str) -> Result<AdminAllow, String> {
+    AdminAllow::parse(s).map_err(|e| e.to_string())
 }
 
 /// A factory-declared flag given on the command line, with its parsed value.
@@ -673,6 +888,12 @@ impl Cli {
         if let Some(e) = a.enable_prometheus {
             p.server.enable_prometheus = e;
         }
+        if let Some(n) = a.max_connections {
+            p.server.max_connections = Some(n as usize);
+        }
+        if let Some(list) = &a.admin_allow {
+            p.server.admin_allow = list.clone();
+        }
         if let Some(d) = &a.devices {
             let list = d
                 .split(',')
@@ -767,6 +988,7 @@ impl Cli {
                 }
             }
         }
+        p.server.validate()?;
         tracing_subscriber::EnvFilter::try_new(&p.server.log_level)
             .map_err(|e| anyhow::anyhow!("invalid log level {:?}: {e}", p.server.log_level))?;
         Ok(p)
@@ -1118,6 +1340,112 @@ mod tests {
             e,
             "--pool-size given but the pipeline has no test-pool tier"
         );
+    }
+
+    #[test]
+    fn admin_allow_parses_matches_and_round_trips() {
+        let ip = |s: &str| Some(s.parse::<std::net::IpAddr>().unwrap());
+        let d = AdminAllow::default();
+        assert_eq!(d.to_string(), "loopback");
+        assert!(d.permits(ip("127.0.0.1")) && d.permits(ip("127.9.9.9")));
+        assert!(d.permits(ip("::1")) && d.permits(ip("::ffff:127.0.0.1")));
+        assert!(!d.permits(ip("10.0.0.1")) && !d.permits(None));
+        let any = AdminAllow::parse("ANY").unwrap();
+        assert_eq!(any, AdminAllow::any());
+        assert!(any.permits(ip("8.8.8.8")) && any.permits(None));
+        let l = AdminAllow::parse(" 10.0.0.0/8, loopback ,fd00::/8,192.168.1.7").unwrap();
+        assert_eq!(l.to_string(), "10.0.0.0/8,loopback,fd00::/8,192.168.1.7/32");
+        assert!(l.permits(ip("10.200.3.4")) && l.permits(ip("::ffff:10.1.1.1")));
+        assert!(l.permits(ip("fd12::1")) && l.permits(ip("192.168.1.7")));
+        assert!(l.permits(ip("127.0.0.1")));
+        assert!(!l.permits(ip("11.0.0.1")) && !l.permits(ip("192.168.1.8")));
+        assert!(!l.permits(ip("fe80::1")));
+        let only = AdminAllow::parse("10.0.0.0/8").unwrap();
+        assert!(
+            !only.permits(ip("127.0.0.1")),
+            "a list without loopback excludes it"
+        );
+        assert!(AdminAllow::parse("0.0.0.0/0")
+            .unwrap()
+            .permits(ip("1.2.3.4")));
+        for bad in [
+            "",
+            " , ",
+            "10.0.0.0/33",
+            "::/129",
+            "localhost",
+            "10.0.0.0/x",
+        ] {
+            assert!(AdminAllow::parse(bad).is_err(), "{bad:?}");
+        }
+        // In a pipeline: a string or a list; printed back as it reads.
+        let p =
+            PipelineConfig::from_toml("[server]\nadmin_allow = [\"loopback\", \"10.0.0.0/8\"]\n")
+                .unwrap();
+        assert_eq!(
+            p.server.admin_allow,
+            AdminAllow::parse("loopback,10.0.0.0/8").unwrap()
+        );
+        assert!(
+            p.to_toml()
+                .contains("admin_allow = [\n    \"loopback\",\n    \"10.0.0.0/8\",\n]"),
+            "{}",
+            p.to_toml()
+        );
+        let d = PipelineConfig::embedded_default();
+        assert!(
+            d.to_toml().contains("admin_allow = \"loopback\""),
+            "{}",
+            d.to_toml()
+        );
+        assert_eq!(
+            PipelineConfig::from_toml(&d.to_toml())
+                .unwrap()
+                .server
+                .admin_allow,
+            d.server.admin_allow
+        );
+        assert!(PipelineConfig::from_toml("[server]\nadmin_allow = \"10.0.0.0/40\"\n").is_err());
+        // On the command line.
+        let p = Cli::parse_from(["pegaflow-server", "--admin-allow", "any"])
+            .pipeline()
+            .unwrap();
+        assert_eq!(p.server.admin_allow, AdminAllow::any());
+        let e = Cli::try_parse_from(["pegaflow-server", "--admin-allow", "nobody"]).unwrap_err();
+        assert!(e.to_string().contains("not `any`, `loopback`"), "{e}");
+    }
+
+    #[test]
+    fn connection_caps() {
+        assert_eq!(
+            default_max_connections(Some(20_000), 100, 256),
+            20_000 - 100 - 1024 - 256
+        );
+        assert_eq!(default_max_connections(Some(1 << 20), 100, 256), 65_536);
+        assert_eq!(default_max_connections(None, 100, 256), 65_536);
+        assert_eq!(
+            default_max_connections(Some(1024), 30, 256),
+            64,
+            "the floor"
+        );
+        let p = Cli::parse_from(["pegaflow-server", "--max-connections", "100"])
+            .pipeline()
+            .unwrap();
+        assert_eq!(p.server.max_connections, Some(100));
+        assert_eq!(p.server.max_http_connections, 256);
+        assert_eq!(
+            Cli::parse_from(["pegaflow-server"])
+                .pipeline()
+                .unwrap()
+                .server
+                .max_connections,
+            None
+        );
+        assert!(Cli::try_parse_from(["pegaflow-server", "--max-connections", "0"]).is_err());
+        let p = PipelineConfig::from_toml("[server]\nmax_connections = 0\n").unwrap();
+        assert!(p.server.validate().is_err());
+        let p = PipelineConfig::from_toml("[server]\nmax_http_connections = 0\n").unwrap();
+        assert!(p.server.validate().is_err());
     }
 
     #[test]

@@ -2,22 +2,133 @@
 //! ([`crate::engine::command`]) and its answers back into `pb::` responses.
 //!
 //! Owns the pure shape checks of every request (versions, signs, list lengths, caps, empty
-//! ids), with the same codes and messages the server has always answered. Must never: look at
-//! server state (instances, leases, the store) or have a side effect — a request it refuses
-//! has changed nothing. Checks that come after a state lookup stay in the engine, so the order
-//! in which a request with several faults is refused is unchanged.
+//! ids), with the same codes and messages the server has always answered, and the input
+//! bounds of every RPC of the Engine service (the `MAX_*` constants below: every id, name and
+//! list a client sends is bounded here, before anything echoes it or allocates for it). Must
+//! never: look at server state (instances, leases, the store) or have a side effect — a
+//! request it refuses has changed nothing. Checks that come after a state lookup stay in the
+//! engine, so the order in which a request with several faults is refused is unchanged.
+//!
+//! A value past a bound is INVALID_ARGUMENT naming the field and the limit, e.g.
+//! `instance_id is 17000 bytes; the limit is 256 bytes`; no message echoes more than a short
+//! prefix of a client string ([`crate::error::echo`]).
 
 use std::collections::HashSet;
 
 use pegaflow_api::{is_side_channel_safe_id, TransferMode};
 use pegaflow_proto as pb;
 
+pub use crate::engine::command::MAX_HASH_BYTES;
 use crate::engine::command::{
     LeaseLoad, LoadCommand, LoadCompletion, QueryAnswer, QueryCommand, RegisterCommand,
-    RegisterLayer, SaveCommand, SaveLayer, MAX_HASH_BYTES,
+    RegisterLayer, SaveCommand, SaveLayer,
 };
-use crate::error::{EngineError, EngineResult};
+use crate::error::{echo, EngineError, EngineResult};
 use crate::plugin::{NativeView, RegistrationPayload};
+
+/// Longest `instance_id` of any request, in bytes (vLLM's are UUID-based, about 40 bytes;
+/// native ones at most 128).
+pub const MAX_INSTANCE_ID_BYTES: usize = 256;
+/// Longest `namespace` (RegisterContextBatch, Session, QueryBlocksForTransfer), in bytes.
+pub const MAX_NAMESPACE_BYTES: usize = 1024;
+/// Longest layer name (RegisterContextBatch, Save, Load), in bytes (vLLM's look like
+/// `model.layers.31.self_attn.attn`).
+pub const MAX_LAYER_NAME_BYTES: usize = 256;
+/// Most layers one request names: registered by one worker, saved by one Save, loaded by one
+/// Load (all groups together).
+pub const MAX_LAYERS_PER_REQUEST: usize = 4096;
+/// Longest QueryPrefetch `req_id`, in bytes (vLLM request ids, which a client may extend).
+pub const MAX_REQ_ID_BYTES: usize = 1024;
+/// Shortest block hash, in bytes: an empty hash names no content.
+pub const MIN_HASH_BYTES: usize = 1;
+/// Most entries of one block list: hashes of a query (own or a peer's), block ids and hashes
+/// of one saved layer, destinations of one lease's group, leases of one Load (2^20: a
+/// 16M-token prompt in 16-token blocks; 1M 32-byte hashes are 34 MiB, inside the 64 MiB
+/// message limit).
+pub const MAX_BLOCKS_PER_LIST: usize = 1 << 20;
+/// Longest `load_state_shm`, in bytes (what `LoadStateWriter::attach` opens; the published client
+/// sends `pega_load_` + 32 hex digits).
+pub const MAX_LOAD_STATE_NAME_BYTES: usize = 200;
+/// Longest id of the server-to-server RPCs (`requester_id`, `transfer_session_id`), in bytes.
+pub const MAX_PEER_ID_BYTES: usize = 256;
+
+/// INVALID_ARGUMENT: `field` is `len` bytes, over `max`.
+fn too_long(field: impl std::fmt::Display, len: usize, max: usize) -> EngineError {
+    EngineError::invalid(format!("{field} is {len} bytes; the limit is {max} bytes"))
+}
+
+/// `value` is at most `max` bytes.
+fn check_len(field: &str, value: &str, max: usize) -> EngineResult<()> {
+    if value.len() > max {
+        return Err(too_long(field, value.len(), max));
+    }
+    Ok(())
+}
+
+/// A list has at most `max` entries.
+fn check_count(field: impl std::fmt::Display, n: usize, max: usize) -> EngineResult<()> {
+    if n > max {
+        return Err(EngineError::invalid(format!(
+            "{field} has {n} entries; the limit is {max}"
+        )));
+    }
+    Ok(())
+}
+
+/// Layer names: at most [`MAX_LAYER_NAME_BYTES`] each.
+fn check_layer_names(field: &str, names: &[String]) -> EngineResult<()> {
+    match names
+        .iter()
+        .enumerate()
+        .find(|(_, n)| n.len() > MAX_LAYER_NAME_BYTES)
+    {
+        Some((i, n)) => Err(too_long(
+            format_args!("{field}[{i}]"),
+            n.len(),
+            MAX_LAYER_NAME_BYTES,
+        )),
+        None => Ok(()),
+    }
+}
+
+/// A block-hash list: at most [`MAX_BLOCKS_PER_LIST`] hashes of
+/// [`MIN_HASH_BYTES`]..=[`MAX_HASH_BYTES`] bytes each.
+fn check_hashes(field: &str, hashes: &[Vec<u8>]) -> EngineResult<()> {
+    check_count(field, hashes.len(), MAX_BLOCKS_PER_LIST)?;
+    for (i, h) in hashes.iter().enumerate() {
+        if h.len() < MIN_HASH_BYTES {
+            return Err(EngineError::invalid(format!(
+                "{field}[{i}] is empty: a block hash is {MIN_HASH_BYTES} to {MAX_HASH_BYTES} bytes"
+            )));
+        }
+        if h.len() > MAX_HASH_BYTES {
+            return Err(too_long(
+                format_args!("{field}[{i}]"),
+                h.len(),
+                MAX_HASH_BYTES,
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Whether `name` is a shared-memory object name `LoadStateWriter::attach` can open: 1 to
+/// [`MAX_LOAD_STATE_NAME_BYTES`] bytes, no `/` and no NUL, not `.` or `..`.
+fn check_load_state_name(name: &str) -> EngineResult<()> {
+    check_len("load_state_shm", name, MAX_LOAD_STATE_NAME_BYTES)?;
+    if name.is_empty() {
+        return Err(EngineError::invalid(
+            "load_state_shm must name the load-state object (or set wait_for_completion)",
+        ));
+    }
+    if name.contains(['/', '\0']) || name == "." || name == ".." {
+        return Err(EngineError::invalid(format!(
+            "load_state_shm {:?} is not a shared-memory object name (no '/', no NUL, not . or ..)",
+            echo(name)
+        )));
+    }
+    Ok(())
+}
 
 /// The published client's version this server speaks.
 pub const SERVER_VERSION: &str = pb::PUBLISHED_CLIENT_VERSION;
@@ -62,13 +173,16 @@ fn check_register_header(req: &pb::RegisterContextRequest) -> EngineResult<Trans
             &req.client_version
         };
         return Err(EngineError::precondition(format!(
-            "PegaFlow version mismatch: client={client} server={SERVER_VERSION} (this server accepts 0.25.x and {})",
+            "PegaFlow version mismatch: client={} server={SERVER_VERSION} (this server accepts 0.25.x and {})",
+            echo(client),
             pb::NATIVE_CLIENT_VERSION
         )));
     }
     if req.instance_id.is_empty() {
         return Err(EngineError::invalid("instance_id must not be empty"));
     }
+    check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
+    check_len("namespace", &req.namespace, MAX_NAMESPACE_BYTES)?;
     if req.device_id < 0 {
         return Err(EngineError::invalid(format!(
             "device_id must be >= 0, got {}",
@@ -99,6 +213,8 @@ fn check_register_layers(req: &pb::RegisterContextRequest) -> EngineResult<()> {
             "at least one layer must be registered",
         ));
     }
+    check_count("layer_names", n, MAX_LAYERS_PER_REQUEST)?;
+    check_layer_names("layer_names", &req.layer_names)?;
     let lens = [
         ("num_blocks", req.num_blocks.len()),
         ("bytes_per_block", req.bytes_per_block.len()),
@@ -124,7 +240,10 @@ fn check_register_layers(req: &pb::RegisterContextRequest) -> EngineResult<()> {
             return Err(EngineError::invalid("layer names must not be empty"));
         }
         if !seen.insert(name.as_str()) {
-            return Err(EngineError::invalid(format!("duplicate layer name {name}")));
+            return Err(EngineError::invalid(format!(
+                "duplicate layer name {}",
+                echo(name)
+            )));
         }
     }
     Ok(())
@@ -137,7 +256,7 @@ fn native_payload(req: &pb::RegisterContextRequest) -> EngineResult<Registration
         return Err(EngineError::precondition(format!(
             "native registration fields need client_version {} (the native wire revision), got {}",
             pb::NATIVE_CLIENT_VERSION,
-            req.client_version
+            echo(&req.client_version)
         )));
     }
     if !req.wrapper_bytes.is_empty() {
@@ -160,7 +279,7 @@ fn native_payload(req: &pb::RegisterContextRequest) -> EngineResult<Registration
     if !is_side_channel_safe_id(&req.instance_id) {
         return Err(EngineError::invalid(format!(
             "native instance_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
-            req.instance_id
+            echo(&req.instance_id)
         )));
     }
     if req.native_alloc_size == 0 {
@@ -259,18 +378,21 @@ pub fn save(req: pb::SaveRequest) -> EngineResult<SaveCommand> {
             req.device_id
         )));
     }
-    for s in &req.saves {
-        if let Some(h) = s.block_hashes.iter().find(|h| h.len() > MAX_HASH_BYTES) {
-            return Err(EngineError::invalid(format!(
-                "layer {}: a block hash of {} bytes exceeds the {MAX_HASH_BYTES}-byte limit",
-                s.layer_name,
-                h.len()
-            )));
+    check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
+    check_count("saves", req.saves.len(), MAX_LAYERS_PER_REQUEST)?;
+    for (i, s) in req.saves.iter().enumerate() {
+        if s.layer_name.len() > MAX_LAYER_NAME_BYTES {
+            return Err(too_long(
+                format_args!("saves[{i}].layer_name"),
+                s.layer_name.len(),
+                MAX_LAYER_NAME_BYTES,
+            ));
         }
+        check_hashes(&format!("saves[{i}].block_hashes"), &s.block_hashes)?;
         if s.block_ids.len() != s.block_hashes.len() {
             return Err(EngineError::invalid(format!(
                 "layer {}: {} block_ids but {} block_hashes",
-                s.layer_name,
+                echo(&s.layer_name),
                 s.block_ids.len(),
                 s.block_hashes.len()
             )));
@@ -293,6 +415,13 @@ pub fn save(req: pb::SaveRequest) -> EngineResult<SaveCommand> {
     })
 }
 
+/// The load-state word a refused Load should still report −1 to: the request's
+/// `load_state_shm` when it is one ([`load`] refuses it otherwise) and the load does not wait.
+pub fn load_state_word(req: &pb::LoadRequest) -> Option<&str> {
+    (!req.wait_for_completion && check_load_state_name(&req.load_state_shm).is_ok())
+        .then_some(req.load_state_shm.as_str())
+}
+
 /// Decodes a Load request.
 pub fn load(req: pb::LoadRequest) -> EngineResult<LoadCommand> {
     let completion = if req.wait_for_completion {
@@ -303,8 +432,30 @@ pub fn load(req: pb::LoadRequest) -> EngineResult<LoadCommand> {
         }
         LoadCompletion::Wait
     } else {
+        check_load_state_name(&req.load_state_shm)?;
         LoadCompletion::StateWord(req.load_state_shm)
     };
+    check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
+    let names: usize = req.groups.iter().map(|g| g.layer_names.len()).sum();
+    check_count("groups (layer names)", names, MAX_LAYERS_PER_REQUEST)?;
+    for (gi, g) in req.groups.iter().enumerate() {
+        check_layer_names(&format!("groups[{gi}].layer_names"), &g.layer_names)?;
+    }
+    check_count("loads", req.loads.len(), MAX_BLOCKS_PER_LIST)?;
+    for (li, l) in req.loads.iter().enumerate() {
+        check_count(
+            format_args!("loads[{li}].block_ids_by_group"),
+            l.block_ids_by_group.len(),
+            MAX_LAYERS_PER_REQUEST,
+        )?;
+        for (gi, g) in l.block_ids_by_group.iter().enumerate() {
+            check_count(
+                format_args!("loads[{li}].block_ids_by_group[{gi}].targets"),
+                g.targets.len(),
+                MAX_BLOCKS_PER_LIST,
+            )?;
+        }
+    }
     Ok(LoadCommand {
         instance_id: req.instance_id,
         tp_rank: req.tp_rank,
@@ -336,6 +487,9 @@ pub fn query(req: pb::QueryRequest) -> EngineResult<QueryCommand> {
     if req.req_id.is_empty() {
         return Err(EngineError::invalid("req_id must not be empty"));
     }
+    check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
+    check_len("req_id", &req.req_id, MAX_REQ_ID_BYTES)?;
+    check_hashes("block_hashes", &req.block_hashes)?;
     Ok(QueryCommand {
         instance_id: req.instance_id,
         req_id: req.req_id,
@@ -343,6 +497,53 @@ pub fn query(req: pb::QueryRequest) -> EngineResult<QueryCommand> {
         group_id: req.group_id,
         wait_for_full_prefix: req.wait_for_full_prefix,
     })
+}
+
+/// Decodes a Release request: the lease token (16 bytes).
+pub fn release(req: pb::ReleaseRequest) -> EngineResult<Vec<u8>> {
+    crate::engine::parse_lease(&req.lease)?;
+    Ok(req.lease)
+}
+
+/// Decodes an UnregisterContext request: the instance id (bounded; an empty or unknown one is
+/// the engine's FAILED_PRECONDITION).
+pub fn unregister(req: pb::UnregisterRequest) -> EngineResult<String> {
+    check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
+    Ok(req.instance_id)
+}
+
+/// Decodes a Session request: the instance id it watches (non-empty, bounded; the namespace
+/// is bounded too, and otherwise unused).
+pub fn session(req: pb::SessionRequest) -> EngineResult<String> {
+    if req.instance_id.is_empty() {
+        return Err(EngineError::invalid("instance_id must not be empty"));
+    }
+    check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
+    check_len("namespace", &req.namespace, MAX_NAMESPACE_BYTES)?;
+    Ok(req.instance_id)
+}
+
+/// Bounds of a QueryBlocksForTransfer request (handed to the peer delegate as it is).
+pub fn check_query_blocks_for_transfer(
+    req: &pb::QueryBlocksForTransferRequest,
+) -> EngineResult<()> {
+    check_len("namespace", &req.namespace, MAX_NAMESPACE_BYTES)?;
+    check_len("requester_id", &req.requester_id, MAX_PEER_ID_BYTES)?;
+    check_hashes("block_hashes", &req.block_hashes)
+}
+
+/// Bounds of a ReleaseTransferLock request (handed to the peer delegate as it is).
+pub fn check_release_transfer_lock(req: &pb::ReleaseTransferLockRequest) -> EngineResult<()> {
+    check_len(
+        "transfer_session_id",
+        &req.transfer_session_id,
+        MAX_PEER_ID_BYTES,
+    )
+}
+
+/// Bounds of an RdmaHandshake request (handed to the peer delegate as it is).
+pub fn check_rdma_handshake(req: &pb::RdmaHandshakeRequest) -> EngineResult<()> {
+    check_len("requester_id", &req.requester_id, MAX_PEER_ID_BYTES)
 }
 
 /// Encodes a query answer.
@@ -413,6 +614,132 @@ mod tests {
             ..Default::default()
         };
         assert!(matches!(load(req), Err(EngineError::InvalidArgument(_))));
+    }
+
+    fn invalid_message<T: std::fmt::Debug>(r: EngineResult<T>) -> String {
+        match r {
+            Err(EngineError::InvalidArgument(m)) => m,
+            other => panic!("expected INVALID_ARGUMENT, got {other:?}"),
+        }
+    }
+
+    #[test]
+    fn ids_and_names_are_bounded_naming_the_field_and_the_limit() {
+        let big = "x".repeat(MAX_INSTANCE_ID_BYTES + 1);
+        let m = invalid_message(save(pb::SaveRequest {
+            instance_id: big.clone(),
+            ..Default::default()
+        }));
+        assert_eq!(m, "instance_id is 257 bytes; the limit is 256 bytes");
+        let at_limit = pb::SaveRequest {
+            instance_id: "x".repeat(MAX_INSTANCE_ID_BYTES),
+            ..Default::default()
+        };
+        assert!(save(at_limit).is_ok());
+        let m = invalid_message(save(pb::SaveRequest {
+            saves: vec![pb::SaveLayer {
+                layer_name: "L".repeat(1 << 20),
+                ..Default::default()
+            }],
+            ..Default::default()
+        }));
+        assert_eq!(
+            m,
+            "saves[0].layer_name is 1048576 bytes; the limit is 256 bytes"
+        );
+        let m = invalid_message(query(pb::QueryRequest {
+            req_id: "r".repeat(MAX_REQ_ID_BYTES + 1),
+            ..Default::default()
+        }));
+        assert!(m.starts_with("req_id is 1025 bytes"), "{m}");
+        let m = invalid_message(unregister(pb::UnregisterRequest {
+            instance_id: big.clone(),
+        }));
+        assert!(m.starts_with("instance_id is"), "{m}");
+        let m = invalid_message(session(pb::SessionRequest {
+            instance_id: "s".into(),
+            namespace: "n".repeat(MAX_NAMESPACE_BYTES + 1),
+            ..Default::default()
+        }));
+        assert!(m.starts_with("namespace is 1025 bytes"), "{m}");
+        let mut reg = pb::RegisterContextRequest {
+            instance_id: "i".into(),
+            tp_size: 1,
+            world_size: 1,
+            client_version: pb::PUBLISHED_CLIENT_VERSION.into(),
+            layer_names: vec!["ok".into(), "L".repeat(MAX_LAYER_NAME_BYTES + 1)],
+            ..Default::default()
+        };
+        let m = invalid_message(register(reg.clone()).map_err(|r| r.error));
+        assert!(m.starts_with("layer_names[1] is 257 bytes"), "{m}");
+        reg.client_version = "v".repeat(1 << 20);
+        let e = register(reg).unwrap_err().error.to_string();
+        assert!(e.len() < 300, "the version is echoed as a prefix: {e}");
+        let m = invalid_message(load(pb::LoadRequest {
+            load_state_shm: "pega_load_x".into(),
+            groups: vec![pb::LoadGroup {
+                layer_names: vec!["L".repeat(MAX_LAYER_NAME_BYTES + 1)],
+            }],
+            ..Default::default()
+        }));
+        assert!(
+            m.starts_with("groups[0].layer_names[0] is 257 bytes"),
+            "{m}"
+        );
+    }
+
+    #[test]
+    fn block_hashes_are_one_to_max_bytes_and_lists_are_bounded() {
+        let q = |hashes: Vec<Vec<u8>>| {
+            query(pb::QueryRequest {
+                req_id: "r".into(),
+                block_hashes: hashes,
+                ..Default::default()
+            })
+        };
+        let m = invalid_message(q(vec![vec![1], vec![]]));
+        assert!(m.starts_with("block_hashes[1] is empty"), "{m}");
+        let m = invalid_message(q(vec![vec![0; MAX_HASH_BYTES + 1]]));
+        assert_eq!(m, "block_hashes[0] is 1025 bytes; the limit is 1024 bytes");
+        assert!(q(vec![vec![0; MAX_HASH_BYTES]; 2]).is_ok());
+        let m = invalid_message(q(vec![vec![1]; MAX_BLOCKS_PER_LIST + 1]));
+        assert_eq!(m, "block_hashes has 1048577 entries; the limit is 1048576");
+        let m = invalid_message(save(pb::SaveRequest {
+            saves: vec![pb::SaveLayer {
+                layer_name: "l".into(),
+                block_ids: vec![0],
+                block_hashes: vec![vec![]],
+            }],
+            ..Default::default()
+        }));
+        assert!(m.starts_with("saves[0].block_hashes[0] is empty"), "{m}");
+        let peer = pb::QueryBlocksForTransferRequest {
+            block_hashes: vec![vec![]],
+            ..Default::default()
+        };
+        assert!(check_query_blocks_for_transfer(&peer).is_err());
+    }
+
+    #[test]
+    fn load_state_names_must_be_shm_object_names() {
+        let long = "p".repeat(MAX_LOAD_STATE_NAME_BYTES + 1);
+        for bad in ["", "a/b", "/pega_load_x", ".", "..", "a\0b", long.as_str()] {
+            let req = pb::LoadRequest {
+                load_state_shm: bad.into(),
+                ..Default::default()
+            };
+            assert_eq!(load_state_word(&req), None, "{bad:?}");
+            let m = invalid_message(load(req));
+            assert!(m.contains("load_state_shm"), "{bad:?}: {m}");
+            assert!(m.len() < 200, "{m}");
+        }
+        let req = pb::LoadRequest {
+            load_state_shm: "pega_load_0123".into(),
+            instance_id: "i".repeat(MAX_INSTANCE_ID_BYTES + 1),
+            ..Default::default()
+        };
+        assert_eq!(load_state_word(&req), Some("pega_load_0123"));
+        assert!(load(req).is_err());
     }
 
     #[test]

@@ -3,6 +3,86 @@
 //! Codes are chosen with the published Python client in mind (`engine-wire.md` §5):
 //! INVALID_ARGUMENT becomes `ValueError`, INTERNAL `PegaflowInternal`, everything else
 //! `PegaFlowError`.
+//!
+//! Also owns how client-supplied strings appear in messages ([`echo`]: a short prefix and the
+//! length) and the cap on any status message ([`MAX_STATUS_MESSAGE_BYTES`]): a status travels
+//! in an HTTP/2 header block, and one past the peer's header limit resets the stream or, from
+//! about 256 KB, closes the client's whole connection (and with it its Session).
+
+use std::fmt;
+
+/// Longest status message the server sends, in bytes; a longer one is cut, marked with
+/// `…(cut, N bytes)`. Far below h2's default 16 KiB header-list limit.
+pub const MAX_STATUS_MESSAGE_BYTES: usize = 1024;
+
+/// Characters of a client-supplied string an error message shows before cutting it.
+pub const ECHO_PREFIX_CHARS: usize = 64;
+
+/// A client-supplied string as error messages show it: whole when at most
+/// [`ECHO_PREFIX_CHARS`] characters, else that many followed by `…(N bytes)`. `{:?}` quotes
+/// the shown part.
+#[derive(Clone, Copy)]
+pub struct Echo<'a>(&'a str);
+
+/// Wraps a client-supplied string for an error message (see [`Echo`]).
+pub fn echo(s: &str) -> Echo<'_> {
+    Echo(s)
+}
+
+impl<'a> Echo<'a> {
+    /// The shown prefix, and whether it is the whole string.
+    fn split(&self) -> (&'a str, bool) {
+        match self.0.char_indices().nth(ECHO_PREFIX_CHARS) {
+            Some((cut, _)) => (&self.0[..cut], false),
+            None => (self.0, true),
+        }
+    }
+}
+
+impl fmt::Display for Echo<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.split() {
+            (s, true) => f.write_str(s),
+            (s, false) => write!(f, "{s}…({} bytes)", self.0.len()),
+        }
+    }
+}
+
+impl fmt::Debug for Echo<'_> {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self.split() {
+            (s, true) => write!(f, "{s:?}"),
+            (s, false) => write!(f, "{s:?}…({} bytes)", self.0.len()),
+        }
+    }
+}
+
+/// `m` cut to at most [`MAX_STATUS_MESSAGE_BYTES`] (at a character boundary), the cut marked.
+pub fn cap_message(m: &str) -> std::borrow::Cow<'_, str> {
+    if m.len() <= MAX_STATUS_MESSAGE_BYTES {
+        return m.into();
+    }
+    let mark = format!("…(cut, {} bytes)", m.len());
+    let mut end = MAX_STATUS_MESSAGE_BYTES - mark.len();
+    while !m.is_char_boundary(end) {
+        end -= 1;
+    }
+    format!("{}{mark}", &m[..end]).into()
+}
+
+/// `s` with its message capped ([`cap_message`]); code and details kept.
+pub fn capped_status(s: tonic::Status) -> tonic::Status {
+    if s.message().len() <= MAX_STATUS_MESSAGE_BYTES {
+        return s;
+    }
+    let m = cap_message(s.message()).into_owned();
+    tonic::Status::with_details_and_metadata(
+        s.code(),
+        m,
+        s.details().to_vec().into(),
+        s.metadata().clone(),
+    )
+}
 
 /// Why an engine operation was refused or failed. The message goes to the client verbatim.
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
@@ -24,14 +104,15 @@ pub enum EngineError {
 }
 
 impl EngineError {
-    /// The gRPC status for this error.
+    /// The gRPC status for this error, its message capped at [`MAX_STATUS_MESSAGE_BYTES`].
     pub fn to_status(&self) -> tonic::Status {
-        match self {
-            EngineError::InvalidArgument(m) => tonic::Status::invalid_argument(m.clone()),
-            EngineError::FailedPrecondition(m) => tonic::Status::failed_precondition(m.clone()),
-            EngineError::ResourceExhausted(m) => tonic::Status::resource_exhausted(m.clone()),
-            EngineError::Internal(m) => tonic::Status::internal(m.clone()),
-        }
+        let (code, m) = match self {
+            EngineError::InvalidArgument(m) => (tonic::Code::InvalidArgument, m),
+            EngineError::FailedPrecondition(m) => (tonic::Code::FailedPrecondition, m),
+            EngineError::ResourceExhausted(m) => (tonic::Code::ResourceExhausted, m),
+            EngineError::Internal(m) => (tonic::Code::Internal, m),
+        };
+        tonic::Status::new(code, cap_message(m).into_owned())
     }
 
     /// Shorthand for [`EngineError::InvalidArgument`].
@@ -58,3 +139,43 @@ impl From<EngineError> for tonic::Status {
 
 /// Result alias of the engine.
 pub type EngineResult<T> = Result<T, EngineError>;
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn echo_shows_short_values_whole_and_long_ones_as_a_prefix() {
+        assert_eq!(echo("inst-1").to_string(), "inst-1");
+        assert_eq!(format!("{:?}", echo("a b")), "\"a b\"");
+        let long = "é".repeat(100);
+        let shown = echo(&long).to_string();
+        assert_eq!(
+            shown,
+            format!("{}…(200 bytes)", "é".repeat(ECHO_PREFIX_CHARS))
+        );
+        assert_eq!(
+            echo(&"x".repeat(ECHO_PREFIX_CHARS)).to_string().len(),
+            ECHO_PREFIX_CHARS
+        );
+        assert!(format!("{:?}", echo(&long)).ends_with("\"…(200 bytes)"));
+    }
+
+    #[test]
+    fn status_messages_are_capped() {
+        let m = "ü".repeat(5000);
+        let s = EngineError::invalid(m).to_status();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(
+            s.message().len() <= MAX_STATUS_MESSAGE_BYTES,
+            "{}",
+            s.message().len()
+        );
+        assert!(s.message().ends_with("…(cut, 10000 bytes)"));
+        let s = capped_status(tonic::Status::not_found("n".repeat(1 << 20)));
+        assert_eq!(s.code(), tonic::Code::NotFound);
+        assert!(s.message().len() <= MAX_STATUS_MESSAGE_BYTES);
+        let short = tonic::Status::internal("short");
+        assert_eq!(capped_status(short).message(), "short");
+    }
+}

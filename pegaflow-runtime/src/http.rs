@@ -1,23 +1,53 @@
 //! The HTTP endpoints (axum): `GET /health`, `GET /metrics`, `GET /instances`,
 //! `POST /instances/cleanup[?id=]`, `POST /cache/memory/cleanup`, with PegaFlow's response
-//! fields. `/health` and `/metrics` never wait on the registry or a device.
+//! fields. `/health` and `/metrics` never wait on the registry or a device. The two `POST`
+//! endpoints answer only the peers of `[server] admin_allow` (403 for the others); the
+//! router must be served with [`PeerAddr`] connect info (the peer of an unknown connection
+//! is refused unless `admin_allow` is `any`).
 
+use std::net::SocketAddr;
 use std::sync::Arc;
 
-use axum::extract::{Query, State};
+use axum::extract::{ConnectInfo, Query, State};
 use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::{get, post};
-use axum::{Json, Router};
+use axum::{Extension, Json, Router};
 use serde::Deserialize;
 
+use crate::config::AdminAllow;
 use crate::engine::Engine;
 use crate::health::HealthBoard;
+
+/// The peer of an HTTP connection, as the server's listener reports it
+/// (`Router::into_make_service_with_connect_info::<PeerAddr>`).
+#[derive(Debug, Clone, Copy)]
+pub struct PeerAddr(pub SocketAddr);
 
 #[derive(Clone)]
 struct AppState {
     engine: Arc<Engine>,
     health: HealthBoard,
+    admin_allow: Arc<AdminAllow>,
+}
+
+impl AppState {
+    /// `None` when `peer` may call the admin endpoint `what`, else the 403 to answer. Logs
+    /// who asked either way.
+    fn refuse(&self, peer: Option<PeerAddr>, what: &str) -> Option<axum::response::Response> {
+        let shown = peer.map_or_else(|| "an unknown peer".to_string(), |p| p.0.to_string());
+        if self.admin_allow.permits(peer.map(|p| p.0.ip())) {
+            tracing::info!(peer = %shown, "{what} requested over HTTP");
+            return None;
+        }
+        tracing::warn!(peer = %shown, admin_allow = %self.admin_allow, "{what} refused over HTTP");
+        let body = format!(
+            "{what} is refused from {shown}: only peers in [server] admin_allow ({}) may call it; \
+             set it or --admin-allow to allow more (`any` allows every peer)\n",
+            self.admin_allow
+        );
+        Some((StatusCode::FORBIDDEN, body).into_response())
+    }
 }
 
 #[derive(Deserialize)]
@@ -46,8 +76,15 @@ async fn instances(State(s): State<AppState>) -> impl IntoResponse {
 
 async fn cleanup_instances(
     State(s): State<AppState>,
+    peer: Option<Extension<ConnectInfo<PeerAddr>>>,
     Query(q): Query<CleanupQuery>,
 ) -> axum::response::Response {
+    if let Some(refused) = s.refuse(
+        peer.map(|Extension(ConnectInfo(p))| p),
+        "POST /instances/cleanup",
+    ) {
+        return refused;
+    }
     let engine = s.engine.clone();
     // Run detached: the cleanup completes even if the HTTP client goes away.
     let r = tokio::spawn(async move {
@@ -68,7 +105,16 @@ async fn cleanup_instances(
     }
 }
 
-async fn cleanup_memory(State(s): State<AppState>) -> axum::response::Response {
+async fn cleanup_memory(
+    State(s): State<AppState>,
+    peer: Option<Extension<ConnectInfo<PeerAddr>>>,
+) -> axum::response::Response {
+    if let Some(refused) = s.refuse(
+        peer.map(|Extension(ConnectInfo(p))| p),
+        "POST /cache/memory/cleanup",
+    ) {
+        return refused;
+    }
     // Freeing and trimming a large pool takes a while: keep it off the executor.
     let engine = s.engine.clone();
     match tokio::task::spawn_blocking(move || engine.cleanup_memory()).await {
@@ -78,8 +124,14 @@ async fn cleanup_memory(State(s): State<AppState>) -> axum::response::Response {
 }
 
 /// The router; `/metrics` only when `enable_prometheus`. `/health` renders `health`
-/// ([`HealthBoard::render`]: `ok`, PegaFlow's body, until a component reports).
-pub fn router(engine: Arc<Engine>, health: HealthBoard, enable_prometheus: bool) -> Router {
+/// ([`HealthBoard::render`]: `ok`, PegaFlow's body, until a component reports). The cleanup
+/// endpoints answer the peers `admin_allow` permits.
+pub fn router(
+    engine: Arc<Engine>,
+    health: HealthBoard,
+    enable_prometheus: bool,
+    admin_allow: AdminAllow,
+) -> Router {
     let mut r = Router::new()
         .route("/health", get(health_page))
         .route("/instances", get(instances))
@@ -88,5 +140,9 @@ pub fn router(engine: Arc<Engine>, health: HealthBoard, enable_prometheus: bool)
     if enable_prometheus {
         r = r.route("/metrics", get(metrics));
     }
-    r.with_state(AppState { engine, health })
+    r.with_state(AppState {
+        engine,
+        health,
+        admin_allow: Arc::new(admin_allow),
+    })
 }

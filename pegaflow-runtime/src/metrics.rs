@@ -22,7 +22,8 @@ pub struct Metrics {
     pub pool_alloc_failures: IntCounter,
     /// Bytes of blocks saved in part (not yet sealed).
     pub inflight_bytes: IntGauge,
-    /// Unsealed blocks dropped after their TTL.
+    /// Unsealed blocks dropped after their TTL, or when the instance that wrote them was
+    /// unregistered.
     pub inflight_gc_cleaned: IntCounter,
     /// Footprint of indexed blocks, in bytes.
     pub cache_resident_bytes: IntGauge,
@@ -60,6 +61,9 @@ pub struct Metrics {
     pub rpc_requests: IntCounterVec,
     /// RPC duration by method and status.
     pub rpc_duration: HistogramVec,
+    /// Requests whose body did not decode (answered INVALID_ARGUMENT), by method (this
+    /// server).
+    pub rpc_undecodable_requests: IntCounterVec,
     /// Live leases (this server).
     pub leases_active: IntGauge,
     /// Leases that expired before they were loaded or released (this server).
@@ -113,6 +117,11 @@ pub struct Metrics {
     pub cache_block_admissions: IntCounter,
     /// Index events lost because a subscriber lagged (this server).
     pub index_events_lagged: IntCounter,
+    /// Connections open, by listener (`grpc`, `http`) (this server).
+    pub connections_open: IntGaugeVec,
+    /// Connections accepted and closed at once because their listener's cap was reached, by
+    /// listener (`grpc`, `http`) (this server).
+    pub connections_refused: IntCounterVec,
 }
 
 fn exp_buckets(start: f64, factor: f64, n: usize) -> Vec<f64> {
@@ -150,7 +159,7 @@ impl Metrics {
             )),
             inflight_gc_cleaned: reg!(c(
                 "pegaflow_inflight_gc_cleaned_total",
-                "Stale unsealed blocks dropped"
+                "Unsealed blocks dropped: stale past the in-flight TTL, or their writer's instance was unregistered"
             )),
             cache_resident_bytes: reg!(g(
                 "pegaflow_cache_resident_bytes",
@@ -238,6 +247,13 @@ impl Metrics {
                     0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.0,
                 ]),
                 &["method", "status"]
+            )),
+            rpc_undecodable_requests: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_rpc_undecodable_requests_total",
+                    "Requests whose body did not decode, answered INVALID_ARGUMENT, by method"
+                ),
+                &["method"]
             )),
             leases_active: reg!(g("pegaflow_leases_active", "Live query leases")),
             leases_expired: reg!(c(
@@ -366,6 +382,17 @@ impl Metrics {
             index_events_lagged: reg!(c(
                 "pegaflow_index_events_lagged_total",
                 "Index events a lagging subscriber missed"
+            )),
+            connections_open: reg!(IntGaugeVec::new(
+                Opts::new("pegaflow_connections_open", "Connections open, by listener"),
+                &["listener"]
+            )),
+            connections_refused: reg!(IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_connections_refused_total",
+                    "Connections closed at once because the listener's cap was reached"
+                ),
+                &["listener"]
             )),
             registry,
         }

@@ -1,5 +1,11 @@
 //! Assembling and running a server from a pipeline: build the plugins, bind the side channel,
 //! start the engine's housekeeping, the gRPC service and the HTTP endpoints.
+//!
+//! It also owns the accept loops of both listeners (`CappedListener`): each holds at most
+//! its cap of connections (`[server] max_connections`, `max_http_connections`) and accepts
+//! and closes one more at once, so a flood neither takes every descriptor nor fills the
+//! kernel backlog; an accept that fails for lack of descriptors or memory backs off instead
+//! of spinning. It must never drop a held connection to make room for a new one.
 
 use std::net::SocketAddr;
 use std::sync::Arc;
@@ -14,6 +20,7 @@ use crate::cluster::{ClusterDirectory, DirectoryConfig};
 use crate::config::PipelineConfig;
 use crate::engine::{Engine, EngineParts};
 use crate::fd_channel::{FdChannel, FdChannelLimits};
+use crate::http::PeerAddr;
 use crate::metrics::Metrics;
 use crate::plugin::{
     directory_factory, known_tiers, peer_service_factory, registrar_factory, tier_factory,
@@ -115,6 +122,8 @@ impl ServerHandle {
 
 /// Builds the plugins of `pipeline` and starts serving. Returns once both listeners are bound.
 pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
+    pipeline.server.validate()?;
+    let nofile = raise_open_file_limit();
     // Bind first: a taken port fails start-up before any memory is mapped or pinned.
     let grpc_listener = TcpListener::bind(pipeline.grpc_addr()?)
         .await
@@ -216,12 +225,21 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             .as_ref()
             .map(|c| c.path().to_string_lossy().into_owned()),
     );
+    let (grpc_cap, http_cap) = connection_caps(&pipeline, nofile);
+    let svc = svc.with_admin_allow(pipeline.server.admin_allow.clone());
     {
         let stop = stop.clone();
-        // TCP_NODELAY on every accepted connection: without it a small response segment waits
-        // for the client's delayed ACK (~40 ms stalls between RPCs).
-        let incoming =
-            tonic::transport::server::TcpIncoming::from(grpc_listener).with_nodelay(Some(true));
+        let listener = CappedListener::new(
+            grpc_listener,
+            "grpc",
+            "[server] max_connections (--max-connections)",
+            grpc_cap,
+            engine.metrics(),
+        );
+        let incoming = futures::stream::unfold(listener, |mut l| async move {
+            let conn = l.next().await;
+            Some((Ok::<_, std::io::Error>(conn), l))
+        });
         tasks.push(tokio::spawn(async move {
             let r = tonic::transport::Server::builder()
                 .http2_keepalive_interval(None)
@@ -244,11 +262,22 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             engine.clone(),
             ctx.health.clone(),
             pipeline.server.enable_prometheus,
+            pipeline.server.admin_allow.clone(),
+        );
+        let listener = CappedListener::new(
+            http_listener,
+            "http",
+            "[server] max_http_connections",
+            http_cap,
+            engine.metrics(),
         );
         tasks.push(tokio::spawn(async move {
-            let r = axum::serve(http_listener, app)
-                .with_graceful_shutdown(async move { stop.notified().await })
-                .await;
+            let r = axum::serve(
+                listener,
+                app.into_make_service_with_connect_info::<PeerAddr>(),
+            )
+            .with_graceful_shutdown(async move { stop.notified().await })
+            .await;
             if let Err(e) = r {
                 tracing::error!(error = %e, "HTTP server failed");
             }
@@ -462,4 +491,342 @@ pub fn init_logging(level: &str) -> anyhow::Result<()> {
         .with_target(false)
         .try_init()
         .map_err(|e| anyhow::anyhow!("cannot install the logger: {e}"))
+}
+
+/// The open-file limit, after raising the soft limit to the hard one (systemd's soft default
+/// is 1,024): `None` for unlimited or unknown.
+#[derive(Debug, Clone, Copy)]
+struct OpenFileLimit {
+    soft: Option<u64>,
+    hard: Option<u64>,
+}
+
+fn raise_open_file_limit() -> OpenFileLimit {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: `l` is a valid, writable `rlimit` for the call to fill.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        tracing::warn!(error = %std::io::Error::last_os_error(), "cannot read the open-file limit");
+        return OpenFileLimit {
+            soft: None,
+            hard: None,
+        };
+    }
+    if l.rlim_cur < l.rlim_max {
+        let raised = libc::rlimit {
+            rlim_cur: l.rlim_max,
+            rlim_max: l.rlim_max,
+        };
+        // SAFETY: `raised` is a valid `rlimit`; the call only reads it.
+        if unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &raised) } == 0 {
+            l.rlim_cur = l.rlim_max;
+        } else {
+            tracing::warn!(
+                soft = l.rlim_cur,
+                hard = l.rlim_max,
+                error = %std::io::Error::last_os_error(),
+                "cannot raise the soft open-file limit to the hard one"
+            );
+        }
+    }
+    let finite = |v: libc::rlim_t| (v != libc::RLIM_INFINITY).then_some(v);
+    OpenFileLimit {
+        soft: finite(l.rlim_cur),
+        hard: finite(l.rlim_max),
+    }
+}
+
+/// Descriptors this process has open (0 when `/proc` cannot tell).
+fn open_fd_count() -> u64 {
+    std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count() as u64)
+}
+
+/// The gRPC and HTTP connection caps: `[server] max_connections` or the one derived from the
+/// open-file limit ([`crate::config::default_max_connections`]), and
+/// `max_http_connections`. Logs them with the limit; warns when they do not fit in it.
+fn connection_caps(pipeline: &PipelineConfig, nofile: OpenFileLimit) -> (usize, usize) {
+    let s = &pipeline.server;
+    let open = open_fd_count();
+    let http = s.max_http_connections;
+    let side_channel = match &pipeline.fd_channel {
+        Some(_) => {
+            let l = FdChannelLimits::default();
+            (l.max_connections + l.max_pending) as u64
+        }
+        None => 0,
+    };
+    let others = http as u64 + side_channel;
+    let grpc = s
+        .max_connections
+        .unwrap_or_else(|| crate::config::default_max_connections(nofile.soft, open, others));
+    let show = |v: Option<u64>| v.map_or_else(|| "unlimited".to_string(), |v| v.to_string());
+    tracing::info!(
+        nofile_soft = %show(nofile.soft),
+        nofile_hard = %show(nofile.hard),
+        open_fds = open,
+        max_connections = grpc,
+        derived = s.max_connections.is_none(),
+        max_http_connections = http,
+        "connection limits"
+    );
+    if let Some(soft) = nofile.soft {
+        let need = open + grpc as u64 + others;
+        if need > soft {
+            tracing::warn!(
+                nofile_soft = soft,
+                needed = need,
+                "max_connections + max_http_connections + the side channel + the descriptors open now exceed the open-file limit: under a flood, accepts fail with EMFILE (and back off) before the caps refuse; lower max_connections or raise the limit"
+            );
+        }
+    }
+    (grpc, http)
+}
+
+/// The first sleep after an accept fails for lack of resources; doubled per failure.
+const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(10);
+/// The longest sleep between failing accepts.
+const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+/// At most one "cap reached" line per listener in this time.
+const REFUSAL_LOG_EVERY: Duration = Duration::from_secs(10);
+
+/// A TCP listener that holds at most `cap` connections: each accepted [`Conn`] holds one
+/// slot until it is dropped; a connection beyond the cap is accepted and closed at once
+/// (counted in `pegaflow_connections_refused_total`), so the kernel backlog never fills with
+/// connections nobody will serve. An accept that fails for want of descriptors or memory
+/// (EMFILE, ENFILE, ENOBUFS, ENOMEM, or anything else not about one connection) sleeps
+/// 10 ms, doubling to 1 s, and logs once per burst.
+struct CappedListener {
+    listener: TcpListener,
+    /// The `listener` label and log field.
+    name: &'static str,
+    /// The setting that sets the cap, for the log.
+    setting: &'static str,
+    cap: usize,
+    slots: Arc<tokio::sync::Semaphore>,
+    open: prometheus::IntGauge,
+    refused: prometheus::IntCounter,
+    unlogged_refusals: u64,
+    last_refusal_log: Option<tokio::time::Instant>,
+    burst: Option<AcceptBurst>,
+}
+
+/// A run of failing accepts: the next sleep, the failures so far, when it began.
+struct AcceptBurst {
+    delay: Duration,
+    errors: u64,
+    since: tokio::time::Instant,
+}
+
+impl CappedListener {
+    fn new(
+        listener: TcpListener,
+        name: &'static str,
+        setting: &'static str,
+        cap: usize,
+        metrics: &Metrics,
+    ) -> Self {
+        Self {
+            listener,
+            name,
+            setting,
+            cap,
+            slots: Arc::new(tokio::sync::Semaphore::new(cap)),
+            open: metrics.connections_open.with_label_values(&[name]),
+            refused: metrics.connections_refused.with_label_values(&[name]),
+            unlogged_refusals: 0,
+            last_refusal_log: None,
+            burst: None,
+        }
+    }
+
+    /// The next connection within the cap; never returns an error.
+    async fn next(&mut self) -> Conn {
+        loop {
+            match self.listener.accept().await {
+                Ok((stream, peer)) => {
+                    self.end_burst();
+                    let Ok(permit) = self.slots.clone().try_acquire_owned() else {
+                        drop(stream);
+                        self.refused.inc();
+                        self.log_refusal(peer);
+                        continue;
+                    };
+                    // TCP_NODELAY: without it a small response segment waits for the
+                    // client's delayed ACK (~40 ms stalls between RPCs).
+                    let _ = stream.set_nodelay(true);
+                    self.open.inc();
+                    return Conn {
+                        stream,
+                        peer,
+                        _slot: ConnSlot {
+                            _permit: permit,
+                            open: self.open.clone(),
+                        },
+                    };
+                }
+                // About that one connection (it went away before we took it): take the next.
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::ConnectionAborted
+                            | std::io::ErrorKind::ConnectionReset
+                            | std::io::ErrorKind::ConnectionRefused
+                    ) => {}
+                Err(e) => self.back_off(e).await,
+            }
+        }
+    }
+
+    fn log_refusal(&mut self, peer: SocketAddr) {
+        self.unlogged_refusals += 1;
+        let now = tokio::time::Instant::now();
+        if self
+            .last_refusal_log
+            .is_none_or(|t| now.duration_since(t) >= REFUSAL_LOG_EVERY)
+        {
+            tracing::warn!(
+                listener = self.name,
+                cap = self.cap,
+                refused = self.unlogged_refusals,
+                last_peer = %peer,
+                "connection cap reached: closing new connections at once (raise {} to hold more)",
+                self.setting
+            );
+            self.unlogged_refusals = 0;
+            self.last_refusal_log = Some(now);
+        }
+    }
+
+    async fn back_off(&mut self, e: std::io::Error) {
+        let name = self.name;
+        let burst = self.burst.get_or_insert_with(|| {
+            tracing::warn!(
+                listener = name,
+                error = %e,
+                "accept failed: backing off (10 ms doubling to 1 s) until an accept succeeds"
+            );
+            AcceptBurst {
+                delay: ACCEPT_BACKOFF_MIN,
+                errors: 0,
+                since: tokio::time::Instant::now(),
+            }
+        });
+        burst.errors += 1;
+        let delay = burst.delay;
+        burst.delay = (delay * 2).min(ACCEPT_BACKOFF_MAX);
+        tokio::time::sleep(delay).await;
+    }
+
+    fn end_burst(&mut self) {
+        if let Some(b) = self.burst.take() {
+            tracing::info!(
+                listener = self.name,
+                failed_accepts = b.errors,
+                secs = b.since.elapsed().as_secs_f64(),
+                "accepting again"
+            );
+        }
+    }
+}
+
+impl axum::serve::Listener for CappedListener {
+    type Io = Conn;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Conn, SocketAddr) {
+        let conn = self.next().await;
+        let peer = conn.peer;
+        (conn, peer)
+    }
+
+    fn local_addr(&self) -> std::io::Result<SocketAddr> {
+        self.listener.local_addr()
+    }
+}
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, CappedListener>>
+    for PeerAddr
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, CappedListener>) -> Self {
+        PeerAddr(*stream.remote_addr())
+    }
+}
+
+/// A connection's slot under its listener's cap: released (and the gauge lowered) when the
+/// connection is dropped.
+struct ConnSlot {
+    _permit: tokio::sync::OwnedSemaphorePermit,
+    open: prometheus::IntGauge,
+}
+
+impl Drop for ConnSlot {
+    fn drop(&mut self) {
+        self.open.dec();
+    }
+}
+
+/// An accepted TCP connection holding a slot of its listener.
+struct Conn {
+    stream: tokio::net::TcpStream,
+    peer: SocketAddr,
+    _slot: ConnSlot,
+}
+
+impl tonic::transport::server::Connected for Conn {
+    type ConnectInfo = tonic::transport::server::TcpConnectInfo;
+
+    fn connect_info(&self) -> Self::ConnectInfo {
+        tonic::transport::server::TcpConnectInfo {
+            local_addr: self.stream.local_addr().ok(),
+            remote_addr: Some(self.peer),
+        }
+    }
+}
+
+impl tokio::io::AsyncRead for Conn {
+    fn poll_read(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for Conn {
+    fn poll_write(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_write(cx, buf)
+    }
+
+    fn poll_write_vectored(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        bufs: &[std::io::IoSlice<'_>],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_write_vectored(cx, bufs)
+    }
+
+    fn is_write_vectored(&self) -> bool {
+        self.stream.is_write_vectored()
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
 }

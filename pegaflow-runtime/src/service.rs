@@ -3,8 +3,14 @@
 //! half), encodes the answers, maps errors to status codes, records `pegaflow_rpc_*` metrics,
 //! and tracks Session liveness streams.
 //!
-//! Must never: block the executor, answer a status-bearing RPC without `status` set, or hand a
-//! `pb::` type to the engine.
+//! Served behind [`GuardedEngineServer`], which answers a body that does not decode
+//! INVALID_ARGUMENT (tonic says INTERNAL) and caps every status message at
+//! [`MAX_STATUS_MESSAGE_BYTES`], whoever built the status.
+//!
+//! Must never: block the executor, answer a status-bearing RPC without `status` set, hand a
+//! `pb::` type to the engine, or send a status whose message could outgrow the client's
+//! HTTP/2 header limit (a reset stream, or from ~256 KB a GOAWAY that ends the client's
+//! Session and with it its registration).
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -14,15 +20,17 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use parking_lot::Mutex;
+use pegaflow_api::load_state::{LoadStateWriter, LOAD_FAILED};
 use pegaflow_proto as pb;
 use tokio::sync::{mpsc, Notify};
 use tokio_stream::wrappers::ReceiverStream;
+use tonic::codegen::{http, Body, BoxFuture, Context, Poll, Service, StdError};
 use tonic::{Request, Response, Status};
 
 use crate::decode;
 use crate::engine::Engine;
-use crate::error::{EngineError, EngineResult};
-use crate::metrics::status_label;
+use crate::error::{capped_status, EngineError, EngineResult, MAX_STATUS_MESSAGE_BYTES};
+use crate::metrics::{status_label, Metrics};
 
 fn ok_status() -> Option<pb::ResponseStatus> {
     Some(pb::ResponseStatus {
@@ -39,6 +47,7 @@ pub struct EngineService {
     next_token: Arc<AtomicU64>,
     shutdown: Arc<Notify>,
     fd_socket_path: String,
+    admin_allow: crate::config::AdminAllow,
 }
 
 impl std::fmt::Debug for EngineService {
@@ -56,14 +65,26 @@ impl EngineService {
             next_token: Arc::new(AtomicU64::new(1)),
             shutdown,
             fd_socket_path: fd_socket_path.unwrap_or_default(),
+            admin_allow: Default::default(),
         }
     }
 
-    /// Wraps the service for tonic with 64 MiB message limits and no compression.
-    pub fn into_server(self) -> pb::engine_server::EngineServer<Self> {
-        pb::engine_server::EngineServer::new(self)
-            .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
-            .max_encoding_message_size(pb::MAX_MESSAGE_BYTES)
+    /// Answers the Shutdown RPC only from the peers of `allow` (loopback unless set).
+    pub fn with_admin_allow(mut self, allow: crate::config::AdminAllow) -> Self {
+        self.admin_allow = allow;
+        self
+    }
+
+    /// Wraps the service for tonic with 64 MiB message limits and no compression, behind
+    /// [`GuardedEngineServer`].
+    pub fn into_server(self) -> GuardedEngineServer {
+        let metrics = self.engine.metrics().clone();
+        GuardedEngineServer {
+            inner: pb::engine_server::EngineServer::new(self)
+                .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
+                .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),
+            metrics,
+        }
     }
 
     fn record<T>(&self, method: &str, t0: Instant, r: &Result<T, Status>) {
@@ -74,6 +95,16 @@ impl EngineService {
         self.engine
             .metrics()
             .observe_rpc(method, status_label(code), t0.elapsed().as_secs_f64());
+    }
+
+    /// A Load refused while decoding still reports −1 to its load-state word, as one the
+    /// engine refuses does (the client may be polling it), and counts as a failed load.
+    fn refused_load(&self, word: Option<&str>) {
+        self.engine.metrics().load_failures.inc();
+        let Some(name) = word else { return };
+        if let Err(e) = LoadStateWriter::attach(name).and_then(|w| w.complete(LOAD_FAILED)) {
+            tracing::debug!(load_state = name, error = %e, "cannot report a refused load");
+        }
     }
 
     /// Runs `fut` on its own task so the operation completes even if the RPC is cancelled.
@@ -139,9 +170,14 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<pb::LoadResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
-        let r = match decode::load(request.into_inner()) {
+        let req = request.into_inner();
+        let word = decode::load_state_word(&req).map(str::to_owned);
+        let r = match decode::load(req) {
             Ok(cmd) => Self::detached(async move { engine.load(cmd).await }).await,
-            Err(e) => Err(e.into()),
+            Err(e) => {
+                self.refused_load(word.as_deref());
+                Err(e.into())
+            }
         };
         self.record("load", t0, &r);
         r.map(|()| {
@@ -174,9 +210,8 @@ impl pb::engine_server::Engine for EngineService {
         request: Request<pb::ReleaseRequest>,
     ) -> Result<Response<pb::ReleaseResponse>, Status> {
         let t0 = Instant::now();
-        let r = self
-            .engine
-            .release(&request.into_inner().lease)
+        let r = decode::release(request.into_inner())
+            .and_then(|lease| self.engine.release(&lease))
             .map_err(Status::from);
         self.record("release", t0, &r);
         r.map(|()| Response::new(pb::ReleaseResponse {}))
@@ -188,8 +223,10 @@ impl pb::engine_server::Engine for EngineService {
     ) -> Result<Response<pb::UnregisterResponse>, Status> {
         let t0 = Instant::now();
         let engine = self.engine.clone();
-        let id = request.into_inner().instance_id;
-        let r = Self::detached(async move { engine.unregister(&id).await }).await;
+        let r = match decode::unregister(request.into_inner()) {
+            Ok(id) => Self::detached(async move { engine.unregister(&id).await }).await,
+            Err(e) => Err(e.into()),
+        };
         self.record("unregister_context", t0, &r);
         r.map(|()| {
             Response::new(pb::UnregisterResponse {
@@ -200,9 +237,21 @@ impl pb::engine_server::Engine for EngineService {
 
     async fn shutdown(
         &self,
-        _request: Request<pb::ShutdownRequest>,
+        request: Request<pb::ShutdownRequest>,
     ) -> Result<Response<pb::ShutdownResponse>, Status> {
-        tracing::info!("shutdown requested over gRPC");
+        let peer = request.remote_addr();
+        let shown = peer.map_or_else(|| "an unknown peer".to_string(), |p| p.to_string());
+        if !self.admin_allow.permits(peer.map(|p| p.ip())) {
+            tracing::warn!(peer = %shown, admin_allow = %self.admin_allow, "Shutdown RPC refused");
+            let r = Err(Status::permission_denied(format!(
+                "Shutdown is refused from {shown}: only peers in [server] admin_allow ({}) may \
+                 call it; set it or --admin-allow to allow more (`any` allows every peer)",
+                self.admin_allow
+            )));
+            self.record("shutdown", Instant::now(), &r);
+            return r;
+        }
+        tracing::info!(peer = %shown, "shutdown requested over gRPC");
         self.shutdown.notify_waiters();
         self.shutdown.notify_one();
         let r = Ok(Response::new(pb::ShutdownResponse {
@@ -230,18 +279,20 @@ impl pb::engine_server::Engine for EngineService {
         &self,
         request: Request<pb::SessionRequest>,
     ) -> Result<Response<Self::SessionStream>, Status> {
-        let req = request.into_inner();
-        if req.instance_id.is_empty() {
-            let status = Status::invalid_argument("instance_id must not be empty");
-            self.record::<()>("session", Instant::now(), &Err(status.clone()));
-            return Err(status);
-        }
+        let instance_id = match decode::session(request.into_inner()) {
+            Ok(id) => id,
+            Err(e) => {
+                let status = Status::from(e);
+                self.record::<()>("session", Instant::now(), &Err(status.clone()));
+                return Err(status);
+            }
+        };
         let token = self.next_token.fetch_add(1, Ordering::Relaxed);
-        self.sessions.lock().insert(req.instance_id.clone(), token);
+        self.sessions.lock().insert(instance_id.clone(), token);
         let (tx, rx) = mpsc::channel::<Result<pb::SessionEvent, Status>>(1);
         let sessions = self.sessions.clone();
         let engine = self.engine.clone();
-        let id = req.instance_id.clone();
+        let id = instance_id.clone();
         tokio::spawn(async move {
             tx.closed().await;
             let current = {
@@ -262,7 +313,7 @@ impl pb::engine_server::Engine for EngineService {
                 tracing::debug!(instance = %id, "superseded session ended");
             }
         });
-        tracing::info!(instance = %req.instance_id, token, "session opened");
+        tracing::info!(instance = %instance_id, token, "session opened");
         self.record("session", Instant::now(), &Ok::<(), Status>(()));
         Ok(Response::new(Box::pin(ReceiverStream::new(rx))))
     }
@@ -272,12 +323,17 @@ impl pb::engine_server::Engine for EngineService {
         request: Request<pb::QueryBlocksForTransferRequest>,
     ) -> Result<Response<pb::QueryBlocksForTransferResponse>, Status> {
         let t0 = Instant::now();
-        let r = match self.engine.peer() {
-            Some(p) => p
-                .query_blocks_for_transfer(self.engine.store(), request.into_inner())
+        let req = request.into_inner();
+        let r = match (
+            decode::check_query_blocks_for_transfer(&req),
+            self.engine.peer(),
+        ) {
+            (Err(e), _) => Err(e.into()),
+            (Ok(()), Some(p)) => p
+                .query_blocks_for_transfer(self.engine.store(), req)
                 .await
                 .map(Response::new),
-            None => Err(Status::failed_precondition(
+            (Ok(()), None) => Err(Status::failed_precondition(
                 "cross-node transfer is not configured on this server (the pipeline has no [peer])",
             )),
         };
@@ -290,13 +346,18 @@ impl pb::engine_server::Engine for EngineService {
         request: Request<pb::ReleaseTransferLockRequest>,
     ) -> Result<Response<pb::ReleaseTransferLockResponse>, Status> {
         let t0 = Instant::now();
-        let r = match self.engine.peer() {
-            Some(p) => p
-                .release_transfer_lock(self.engine.store(), request.into_inner())
+        let req = request.into_inner();
+        let r = match (
+            decode::check_release_transfer_lock(&req),
+            self.engine.peer(),
+        ) {
+            (Err(e), _) => Err(e.into()),
+            (Ok(()), Some(p)) => p
+                .release_transfer_lock(self.engine.store(), req)
                 .await
                 .map(Response::new),
             // Nothing can be locked without a delegate: releasing is a no-op success.
-            None => Ok(Response::new(pb::ReleaseTransferLockResponse {
+            (Ok(()), None) => Ok(Response::new(pb::ReleaseTransferLockResponse {
                 status: ok_status(),
                 released_blocks: 0,
             })),
@@ -310,12 +371,14 @@ impl pb::engine_server::Engine for EngineService {
         request: Request<pb::RdmaHandshakeRequest>,
     ) -> Result<Response<pb::RdmaHandshakeResponse>, Status> {
         let t0 = Instant::now();
-        let r = match self.engine.peer() {
-            Some(p) => p
-                .rdma_handshake(self.engine.store(), request.into_inner())
+        let req = request.into_inner();
+        let r = match (decode::check_rdma_handshake(&req), self.engine.peer()) {
+            (Err(e), _) => Err(e.into()),
+            (Ok(()), Some(p)) => p
+                .rdma_handshake(self.engine.store(), req)
                 .await
                 .map(Response::new),
-            None => Err(Status::failed_precondition(
+            (Ok(()), None) => Err(Status::failed_precondition(
                 "cross-node transfer is not configured on this server (the pipeline has no [peer])",
             )),
         };
@@ -334,5 +397,222 @@ impl pb::engine_server::Engine for EngineService {
         }));
         self.record("flush", t0, &r);
         r
+    }
+}
+
+/// Every method of the Engine service: its path name and its `method` metric label.
+const METHODS: [(&str, &str); 13] = [
+    ("RegisterContextBatch", "register_context_batch"),
+    ("Save", "save"),
+    ("Load", "load"),
+    ("QueryPrefetch", "query_prefetch"),
+    ("Release", "release"),
+    ("UnregisterContext", "unregister_context"),
+    ("Shutdown", "shutdown"),
+    ("Health", "health"),
+    ("Session", "session"),
+    ("QueryBlocksForTransfer", "query_blocks_for_transfer"),
+    ("ReleaseTransferLock", "release_transfer_lock"),
+    ("RdmaHandshake", "rdma_handshake"),
+    ("Flush", "flush"),
+];
+
+/// The metric label of a request path (`unknown` for any other path: labels stay bounded).
+fn method_label(path: &str) -> &'static str {
+    path.strip_prefix("/pegaflow.Engine/")
+        .and_then(|m| METHODS.iter().find(|(name, _)| *name == m))
+        .map_or("unknown", |(_, label)| label)
+}
+
+/// How tonic's INTERNAL statuses for a request body that does not decode begin: the prost
+/// error, a missing or truncated message, a bad compression flag.
+const UNDECODABLE_PREFIXES: [&str; 4] = [
+    "failed to decode Protobuf message",
+    "Missing request message",
+    "Unexpected EOF decoding stream",
+    "protocol error: received message with",
+];
+
+/// The trailers-only status headers (gRPC over HTTP/2).
+const GRPC_STATUS: http::HeaderName = http::HeaderName::from_static("grpc-status");
+const GRPC_MESSAGE: http::HeaderName = http::HeaderName::from_static("grpc-message");
+const GRPC_STATUS_DETAILS: http::HeaderName =
+    http::HeaderName::from_static("grpc-status-details-bin");
+
+/// Whether `s` is tonic's answer to a request body that does not decode.
+fn is_undecodable(s: &Status) -> bool {
+    s.code() == tonic::Code::Internal
+        && UNDECODABLE_PREFIXES
+            .iter()
+            .any(|p| s.message().starts_with(p))
+}
+
+/// The Engine server behind two guards on its error statuses, for whatever built them:
+///
+/// - a request body that does not decode (malformed protobuf, a string that is not UTF-8, a
+///   truncated frame) is INVALID_ARGUMENT — the client's `ValueError` — not tonic's INTERNAL,
+///   and is counted in `pegaflow_rpc_undecodable_requests_total{method}` and
+///   `pegaflow_rpc_requests_total{method, status="InvalidArgument"}`;
+/// - no status message is longer than [`MAX_STATUS_MESSAGE_BYTES`].
+///
+/// Error statuses of unary and server-streaming handlers travel in the response headers
+/// ("trailers-only"), which is where both guards look.
+#[derive(Clone)]
+pub struct GuardedEngineServer {
+    inner: pb::engine_server::EngineServer<EngineService>,
+    metrics: Arc<Metrics>,
+}
+
+impl std::fmt::Debug for GuardedEngineServer {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("GuardedEngineServer").finish()
+    }
+}
+
+impl tonic::server::NamedService for GuardedEngineServer {
+    const NAME: &'static str =
+        <pb::engine_server::EngineServer<EngineService> as tonic::server::NamedService>::NAME;
+}
+
+impl<B> Service<http::Request<B>> for GuardedEngineServer
+where
+    B: Body + Send + 'static,
+    B::Error: Into<StdError> + Send + 'static,
+{
+    type Response = http::Response<tonic::body::Body>;
+    type Error = std::convert::Infallible;
+    type Future = BoxFuture<Self::Response, Self::Error>;
+
+    fn poll_ready(&mut self, cx: &mut Context<'_>) -> Poll<Result<(), Self::Error>> {
+        Service::<http::Request<B>>::poll_ready(&mut self.inner, cx)
+    }
+
+    fn call(&mut self, req: http::Request<B>) -> Self::Future {
+        let method = method_label(req.uri().path());
+        let t0 = Instant::now();
+        let metrics = self.metrics.clone();
+        let fut = self.inner.call(req);
+        Box::pin(async move {
+            let mut resp = fut.await?;
+            guard_status(&mut resp, method, t0, &metrics);
+            Ok(resp)
+        })
+    }
+}
+
+/// Rewrites a trailers-only error status of `resp` when it needs it (see
+/// [`GuardedEngineServer`]).
+fn guard_status(
+    resp: &mut http::Response<tonic::body::Body>,
+    method: &'static str,
+    t0: Instant,
+    metrics: &Metrics,
+) {
+    let headers = resp.headers();
+    let Some(code) = headers.get(GRPC_STATUS) else {
+        return; // not trailers-only: a message follows, the status is in the trailers
+    };
+    let internal = code.as_bytes() == b"13";
+    let long = headers
+        .get(GRPC_MESSAGE)
+        .is_some_and(|m| m.len() > MAX_STATUS_MESSAGE_BYTES);
+    if !internal && !long {
+        return;
+    }
+    let Some(status) = Status::from_header_map(headers) else {
+        return;
+    };
+    let status = if is_undecodable(&status) {
+        metrics
+            .rpc_undecodable_requests
+            .with_label_values(&[method])
+            .inc();
+        metrics.observe_rpc(
+            method,
+            status_label(tonic::Code::InvalidArgument),
+            t0.elapsed().as_secs_f64(),
+        );
+        Status::invalid_argument(format!(
+            "undecodable {method} request: {}",
+            status.message()
+        ))
+    } else if long {
+        Status::with_details(
+            status.code(),
+            status.message(),
+            tonic::codegen::Bytes::copy_from_slice(status.details()),
+        )
+    } else {
+        return;
+    };
+    let status = capped_status(status);
+    let headers = resp.headers_mut();
+    headers.remove(GRPC_STATUS);
+    headers.remove(GRPC_MESSAGE);
+    headers.remove(GRPC_STATUS_DETAILS);
+    if let Err(e) = status.add_header(headers) {
+        tracing::warn!(error = %e, "cannot rewrite a status");
+    }
+    resp.extensions_mut().insert(status);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn method_labels_are_bounded() {
+        assert_eq!(
+            method_label("/pegaflow.Engine/QueryPrefetch"),
+            "query_prefetch"
+        );
+        assert_eq!(method_label("/pegaflow.Engine/Nope"), "unknown");
+        assert_eq!(method_label("/other.Service/Save"), "unknown");
+    }
+
+    fn trailers_only(s: Status) -> http::Response<tonic::body::Body> {
+        s.into_http()
+    }
+
+    #[test]
+    fn undecodable_bodies_become_invalid_argument_and_long_messages_are_cut() {
+        let m = Metrics::new();
+        let mut r = trailers_only(Status::internal(
+            "failed to decode Protobuf message: invalid wire type",
+        ));
+        guard_status(&mut r, "save", Instant::now(), &m);
+        let s = Status::from_header_map(r.headers()).unwrap();
+        assert_eq!(s.code(), tonic::Code::InvalidArgument);
+        assert!(s
+            .message()
+            .starts_with("undecodable save request: failed to decode"));
+        assert_eq!(
+            m.rpc_undecodable_requests
+                .with_label_values(&["save"])
+                .get(),
+            1
+        );
+
+        let mut r = trailers_only(Status::internal("copy failed: x"));
+        guard_status(&mut r, "load", Instant::now(), &m);
+        let s = Status::from_header_map(r.headers()).unwrap();
+        assert_eq!(
+            s.code(),
+            tonic::Code::Internal,
+            "other INTERNAL statuses stay"
+        );
+
+        let mut r = trailers_only(Status::not_found("n ".repeat(100_000)));
+        guard_status(&mut r, "release", Instant::now(), &m);
+        let s = Status::from_header_map(r.headers()).unwrap();
+        assert_eq!(s.code(), tonic::Code::NotFound);
+        assert!(s.message().len() <= MAX_STATUS_MESSAGE_BYTES);
+        assert!(r.headers().get(GRPC_MESSAGE).unwrap().len() < 4 * MAX_STATUS_MESSAGE_BYTES);
+        assert_eq!(
+            m.rpc_undecodable_requests
+                .with_label_values(&["release"])
+                .get(),
+            0
+        );
     }
 }

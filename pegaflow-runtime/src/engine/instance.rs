@@ -19,7 +19,7 @@ use std::sync::Arc;
 
 use pegaflow_api::{KvLayout, TransferMode};
 
-use crate::error::{EngineError, EngineResult};
+use crate::error::{echo, EngineError, EngineResult};
 use crate::plugin::{LayerRegion, MemorySpace, RegistrarTraits, Transport};
 
 /// One registered layer of one worker.
@@ -153,14 +153,17 @@ impl Topology {
                     Some((layout, group)) => {
                         if !layout.same_geometry(&l.layout) {
                             return Err(EngineError::invalid(format!(
-                                "layer {name} has a different geometry on device {} than on another device",
+                                "layer {} has a different geometry on device {} than on another device",
+                                echo(name),
                                 w.device_id
                             )));
                         }
                         if *group != l.group {
                             return Err(EngineError::invalid(format!(
-                                "layer {name} is in group {} on device {} but in group {group} elsewhere",
-                                l.group, w.device_id
+                                "layer {} is in group {} on device {} but in group {group} elsewhere",
+                                echo(name),
+                                l.group,
+                                w.device_id
                             )));
                         }
                     }
@@ -192,14 +195,16 @@ impl Topology {
                     .collect();
                 if owners.is_empty() {
                     return Err(EngineError::invalid(format!(
-                        "incomplete KV registration: layer {name} has no owner for tp_rank {r} after all {} workers registered",
+                        "incomplete KV registration: layer {} has no owner for tp_rank {r} after all {} workers registered",
+                        echo(name),
                         workers.len()
                     )));
                 }
                 for o in owners {
                     if pp.is_some_and(|p| p != o.pp_rank) {
                         return Err(EngineError::invalid(format!(
-                            "layer {name} is registered by workers of different pp_ranks"
+                            "layer {} is registered by workers of different pp_ranks",
+                            echo(name)
                         )));
                     }
                     pp = Some(o.pp_rank);
@@ -244,7 +249,8 @@ impl Topology {
                 for n in s {
                     if !seen.insert(n.clone()) {
                         return Err(EngineError::invalid(format!(
-                            "page_first shards overlap: layer {n} is in two different layer sets"
+                            "page_first shards overlap: layer {} is in two different layer sets",
+                            echo(n)
                         )));
                     }
                 }
@@ -292,6 +298,9 @@ pub struct InstanceState {
 pub struct Instance {
     /// The client's instance id.
     pub id: Arc<str>,
+    /// This registration's serial number, unique for the server's life (an id can be
+    /// registered again after a teardown; the serial tells the two apart).
+    pub serial: u64,
     /// Cache namespace (fixed by the first registration).
     pub namespace: Arc<str>,
     /// TP degree.
@@ -338,15 +347,14 @@ pub struct WorkerLease {
 impl Instance {
     /// Acquires the gate without waiting and resolves the worker for `device_id`.
     pub fn enter(self: &Arc<Self>, device_id: i32) -> EngineResult<WorkerLease> {
-        let guard =
-            self.gate.clone().try_read_owned().map_err(|_| {
-                EngineError::precondition(format!("instance {} is closing", self.id))
-            })?;
+        let guard = self.gate.clone().try_read_owned().map_err(|_| {
+            EngineError::precondition(format!("instance {} is closing", echo(&self.id)))
+        })?;
         let st = self.state.lock();
         if st.closing {
             return Err(EngineError::precondition(format!(
                 "instance {} is closing",
-                self.id
+                echo(&self.id)
             )));
         }
         let Some(topology) = st.topology.clone() else {
@@ -359,7 +367,7 @@ impl Instance {
         let worker = st.workers.get(&device_id).cloned().ok_or_else(|| {
             EngineError::precondition(format!(
                 "no worker registered for device_id {device_id} of instance {}",
-                self.id
+                echo(&self.id)
             ))
         })?;
         Ok(WorkerLease {

@@ -47,13 +47,30 @@ use crate::metrics::Metrics;
 use crate::plugin::{CopyBatch, HostPool, Registrar, Tier, Transport};
 use crate::store::{StoreConfig, TierStack};
 
-/// A block saved in part: the slots received so far.
+/// A block saved in part: the slots received so far, and who wrote them.
 struct Inflight {
     slots: Vec<Option<Slot>>,
     filled: usize,
     buffers: Vec<Arc<HostBuffer>>,
     footprint: u64,
     created: Instant,
+    /// Serials ([`Instance::serial`]) of the registered instances that wrote a slot: when the
+    /// last of them is unregistered, nobody will complete the block and it is dropped.
+    writers: Vec<u64>,
+}
+
+impl Inflight {
+    /// An empty block of `total` slots.
+    fn new(total: usize) -> Self {
+        Self {
+            slots: vec![None; total],
+            filled: 0,
+            buffers: vec![],
+            footprint: 0,
+            created: Instant::now(),
+            writers: vec![],
+        }
+    }
 }
 
 /// Everything the engine is built from.
@@ -281,9 +298,47 @@ impl Engine {
     /// [`Engine::unregister`], returning how many layer registrations (tensors) it released.
     pub async fn unregister_counting(&self, id: &str) -> EngineResult<usize> {
         let inst = self.registry.remove_fenced(id)?;
+        let serial = inst.serial;
         let tensors = self.registry.teardown(inst, &self.leases).await;
+        self.drop_inflight_of(serial);
         self.update_gauges();
         Ok(tensors)
+    }
+
+    /// Forgets instance `serial` as a writer of partly saved blocks, and drops (frees) those
+    /// it was the last writer of: after its teardown drained its saves, nobody will complete
+    /// them. Called after the teardown, so no save of the instance can add a slot meanwhile.
+    /// Counted in `pegaflow_inflight_gc_cleaned_total`. Returns the blocks dropped.
+    fn drop_inflight_of(&self, serial: u64) -> usize {
+        let mut freed = Vec::new();
+        {
+            let mut inf = self.inflight.lock();
+            inf.retain(|_, e| {
+                let Some(i) = e.writers.iter().position(|&w| w == serial) else {
+                    return true;
+                };
+                e.writers.swap_remove(i);
+                if e.writers.is_empty() {
+                    freed.push((std::mem::take(&mut e.slots), std::mem::take(&mut e.buffers)));
+                    false
+                } else {
+                    true
+                }
+            });
+            let bytes: u64 = inf.values().map(|e| e.footprint).sum();
+            self.metrics.inflight_bytes.set(bytes as i64);
+        }
+        let n = freed.len();
+        self.metrics.inflight_gc_cleaned.inc_by(n as u64);
+        // The buffers go back to the pool here, outside the lock.
+        drop(freed);
+        if n > 0 {
+            tracing::info!(
+                blocks = n,
+                "dropped the partly saved blocks of an unregistered instance"
+            );
+        }
+        n
     }
 
     /// Unregisters every instance (HTTP cleanup, shutdown). Returns their ids and how many
@@ -294,7 +349,9 @@ impl Engine {
         let mut tensors = 0;
         for inst in all {
             ids.push(inst.id.to_string());
+            let serial = inst.serial;
             tensors += self.registry.teardown(inst, &self.leases).await;
+            self.drop_inflight_of(serial);
             self.update_gauges();
         }
         ids.sort();

@@ -10,7 +10,7 @@ use super::command::{QueryAnswer, QueryCommand};
 use super::instance::Instance;
 use super::Engine;
 use crate::block::KeyRef;
-use crate::error::{EngineError, EngineResult};
+use crate::error::{echo, EngineError, EngineResult};
 use crate::store::PrefixAnswer;
 
 fn ready(num: u64, lease: [u8; pegaflow_api::LEASE_BYTES], hit_positions: Vec<u32>) -> QueryAnswer {
@@ -77,9 +77,30 @@ impl Engine {
         if hits.is_empty() {
             return Ok(QueryAnswer::miss());
         }
-        let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+        let lease = self.mint_live(inst, hits)?;
         self.metrics.leases_active.set(self.leases.len() as i64);
         Ok(ready(n, lease, vec![]))
+    }
+
+    /// Mints a lease over `hits` for `inst`, unless the instance began closing meanwhile (a
+    /// prefix query awaits the tier stack, so a teardown can run between resolving the
+    /// instance and minting): a lease minted after the teardown dropped the instance's leases
+    /// would pin its blocks until the lease TTL. Teardown fences (`closing`) before it drops
+    /// the leases, so either this check sees the fence or that drop sees the lease.
+    fn mint_live(
+        &self,
+        inst: &Instance,
+        hits: Vec<std::sync::Arc<crate::block::SealedBlock>>,
+    ) -> EngineResult<[u8; pegaflow_api::LEASE_BYTES]> {
+        let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+        if inst.state.lock().closing {
+            let _ = self.leases.release(&lease);
+            return Err(EngineError::precondition(format!(
+                "instance {} is closing",
+                echo(&inst.id)
+            )));
+        }
+        Ok(lease)
     }
 
     /// Groups > 0: membership per position (all-or-nothing with `wait_for_full_prefix`), in
@@ -101,7 +122,7 @@ impl Engine {
             return Err(EngineError::invalid(format!(
                 "unknown group id {} (instance {} has {} groups)",
                 req.group_id,
-                inst.id,
+                echo(&inst.id),
                 topo.groups.len()
             )));
         }
@@ -122,7 +143,7 @@ impl Engine {
             return Ok(QueryAnswer::miss());
         }
         let n = hits.len() as u64;
-        let lease = self.leases.mint(&inst.id, hits, inst.world_size)?;
+        let lease = self.mint_live(inst, hits)?;
         Ok(ready(n, lease, positions))
     }
 

@@ -16,7 +16,7 @@ use super::command::RegisterCommand;
 use super::instance::{Instance, Worker, WorkerLayer};
 use super::registry::check_mix;
 use super::Engine;
-use crate::error::{EngineError, EngineResult};
+use crate::error::{echo, EngineError, EngineResult};
 use crate::plugin::{
     ImportRequest, LayerRegion, PayloadCarrier, Registrar, RegistrarError, RegistrarTraits,
     RegistrationPayload,
@@ -227,7 +227,10 @@ impl Engine {
                     );
                 }
                 Err(e) => {
-                    return Err((EngineError::invalid(format!("layer {name}: {e}")), regions))
+                    return Err((
+                        EngineError::invalid(format!("layer {}: {e}", echo(name))),
+                        regions,
+                    ))
                 }
             }
         }

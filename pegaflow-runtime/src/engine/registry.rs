@@ -9,6 +9,7 @@
 //! set or one instance's state; never the other way round.
 
 use std::collections::{HashMap, HashSet};
+use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use parking_lot::{Mutex, RwLock};
@@ -17,7 +18,7 @@ use super::command::RegisterCommand;
 use super::instance::{Instance, InstanceState, Topology, Worker};
 use super::lease::LeaseTable;
 use super::reaper::Reaper;
-use crate::error::{EngineError, EngineResult};
+use crate::error::{echo, EngineError, EngineResult};
 
 /// Registered instances, and those being torn down.
 pub struct Registry {
@@ -27,6 +28,8 @@ pub struct Registry {
     closing: Mutex<HashSet<Arc<str>>>,
     max_instances: usize,
     reaper: Reaper,
+    /// The next [`Instance::serial`].
+    next_serial: AtomicU64,
 }
 
 impl std::fmt::Debug for Registry {
@@ -45,6 +48,7 @@ impl Registry {
             closing: Mutex::new(HashSet::new()),
             max_instances,
             reaper,
+            next_serial: AtomicU64::new(1),
         }
     }
 
@@ -56,7 +60,7 @@ impl Registry {
     /// The registered instance `id` (FAILED_PRECONDITION when there is none).
     pub fn get(&self, id: &str) -> EngineResult<Arc<Instance>> {
         self.find(id)
-            .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))
+            .ok_or_else(|| EngineError::precondition(format!("instance {} not found", echo(id))))
     }
 
     /// The registered instance `id`, if any.
@@ -96,7 +100,7 @@ impl Registry {
         if self.closing.lock().contains(req.instance_id.as_str()) {
             return Err(EngineError::precondition(format!(
                 "instance {} is still being torn down; register under a fresh instance id",
-                req.instance_id
+                echo(&req.instance_id)
             )));
         }
         let inst = match map.get(req.instance_id.as_str()) {
@@ -107,13 +111,15 @@ impl Registry {
                 {
                     return Err(EngineError::precondition(format!(
                         "topology mismatch for instance {}: registered tp_size={} world_size={} page_first={}, got tp_size={} world_size={} page_first={}",
-                        i.id, i.tp_size, i.world_size, i.page_first, req.tp_size, req.world_size, req.page_first
+                        echo(&i.id), i.tp_size, i.world_size, i.page_first, req.tp_size, req.world_size, req.page_first
                     )));
                 }
                 if *i.namespace != req.namespace {
                     return Err(EngineError::precondition(format!(
                         "instance {} is registered in namespace {:?}, got {:?}",
-                        i.id, i.namespace, req.namespace
+                        echo(&i.id),
+                        echo(&i.namespace),
+                        echo(&req.namespace)
                     )));
                 }
                 check_mix(i, native)?;
@@ -128,6 +134,7 @@ impl Registry {
                 }
                 let i = Arc::new(Instance {
                     id: req.instance_id.as_str().into(),
+                    serial: self.next_serial.fetch_add(1, Ordering::Relaxed),
                     namespace: req.namespace.as_str().into(),
                     tp_size: req.tp_size,
                     world_size: req.world_size,
@@ -145,13 +152,14 @@ impl Registry {
         if st.closing {
             return Err(EngineError::precondition(format!(
                 "instance {} is closing",
-                inst.id
+                echo(&inst.id)
             )));
         }
         if st.workers.contains_key(&req.device_id) || st.importing.contains(&req.device_id) {
             return Err(EngineError::precondition(format!(
                 "GPU context for device {} already exists in instance {}",
-                req.device_id, inst.id
+                req.device_id,
+                echo(&inst.id)
             )));
         }
         if st.topology.is_some()
@@ -159,7 +167,9 @@ impl Registry {
         {
             return Err(EngineError::precondition(format!(
                 "instance {} is already fully registered ({} workers); device {} cannot join",
-                inst.id, inst.world_size, req.device_id
+                echo(&inst.id),
+                inst.world_size,
+                req.device_id
             )));
         }
         st.importing.insert(req.device_id);
@@ -196,7 +206,7 @@ impl Registry {
                 Some((
                     EngineError::precondition(format!(
                         "instance {} was unregistered while device {device} was registering",
-                        inst.id
+                        echo(&inst.id)
                     )),
                     Some(worker.clone()),
                 ))
@@ -204,7 +214,8 @@ impl Registry {
                 Some((
                     EngineError::precondition(format!(
                         "instance {} is already fully registered ({} workers); device {device} cannot join",
-                        inst.id, inst.world_size
+                        echo(&inst.id),
+                        inst.world_size
                     )),
                     Some(worker.clone()),
                 ))
@@ -249,7 +260,7 @@ impl Registry {
         let mut map = self.instances.write();
         let inst = map
             .remove(id)
-            .ok_or_else(|| EngineError::precondition(format!("instance {id} not found")))?;
+            .ok_or_else(|| EngineError::precondition(format!("instance {} not found", echo(id))))?;
         self.fence(&inst);
         Ok(inst)
     }
@@ -295,7 +306,7 @@ pub(super) fn check_mix(i: &Instance, native: bool) -> EngineResult<()> {
     if i.native != native {
         return Err(EngineError::precondition(format!(
             "instance {} already has {} registrations; an instance cannot mix Python (per-layer blob) and native (side-channel) registrations",
-            i.id,
+            echo(&i.id),
             if i.native { "native" } else { "Python" }
         )));
     }

@@ -3,8 +3,9 @@
 //! (the store evicts under pressure) → copy device → host in one batch → seal the blocks
 //! whose slots are all present. A block saved here is queryable as soon as Save returns.
 //!
-//! Owns those steps and the partially saved blocks (`inflight`). Must never: allocate or copy
-//! before every check passed, address a block id outside its layer's layout, seal a block
+//! Owns those steps and the partially saved blocks (`inflight`), each with the instances that
+//! wrote its slots (freed when the last of them is unregistered: [`Engine::drop_inflight_of`]).
+//! Must never: allocate or copy before every check passed, address a block id outside its layer's layout, seal a block
 //! with a missing slot, or let the worker's gate guard go before the copy is done.
 
 use std::collections::HashMap;
@@ -16,7 +17,7 @@ use super::instance::{Instance, Topology, WorkerLayer, WorkerLease};
 use super::{Engine, Inflight};
 use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 use crate::buffer::HostBuffer;
-use crate::error::{EngineError, EngineResult};
+use crate::error::{echo, EngineError, EngineResult};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
 /// One block of a Save request: which slots it brings and where they go in its buffer.
@@ -94,7 +95,13 @@ impl Engine {
         }
         let bufs = self.allocate_save(&plans)?;
         self.copy_to_host(&wl, &plans, &bufs).await?;
-        self.seal(&inst.namespace, &wl.topology.groups, plans, bufs);
+        self.seal(
+            inst.serial,
+            &inst.namespace,
+            &wl.topology.groups,
+            plans,
+            bufs,
+        );
         // The gate guard goes last: teardown may only release the worker once nothing here
         // refers to it.
         drop(layers);
@@ -248,8 +255,11 @@ impl Engine {
         Ok(())
     }
 
+    /// Adds the copied slots to their partly saved blocks (`writer`: the saving instance's
+    /// serial) and seals every block that has all its slots.
     fn seal(
         &self,
+        writer: u64,
         ns: &Arc<str>,
         groups: &[super::instance::GroupInfo],
         plans: Vec<BlockPlan<'_>>,
@@ -271,26 +281,16 @@ impl Engine {
             }
             let total = groups[p.group as usize].total_slots;
             let fp = self.store.pool().footprint_bytes(buf.len());
-            let entry = inflight.entry(key.clone()).or_insert_with(|| Inflight {
-                slots: vec![None; total],
-                filled: 0,
-                buffers: vec![],
-                footprint: 0,
-                created: Instant::now(),
-            });
+            let entry = inflight
+                .entry(key.clone())
+                .or_insert_with(|| Inflight::new(total));
             if entry.slots.len() != total {
                 tracing::warn!(
                     namespace = %ns,
                     "dropping a partially saved block whose slot count {} differs from this instance's {total}",
                     entry.slots.len()
                 );
-                *entry = Inflight {
-                    slots: vec![None; total],
-                    filled: 0,
-                    buffers: vec![],
-                    footprint: 0,
-                    created: Instant::now(),
-                };
+                *entry = Inflight::new(total);
             }
             let mut used = false;
             for &(slot, off, len) in &p.slots {
@@ -307,6 +307,9 @@ impl Engine {
             if used {
                 entry.buffers.push(buf);
                 entry.footprint += fp;
+                if !entry.writers.contains(&writer) {
+                    entry.writers.push(writer);
+                }
             }
             if entry.filled == total {
                 let e = inflight.remove(&key).expect("entry present");
@@ -332,7 +335,7 @@ fn resolve_saver(inst: &Arc<Instance>, req: &SaveCommand) -> EngineResult<Worker
     if w.tp_rank != req.tp_rank || w.pp_rank != req.pp_rank {
         return Err(EngineError::invalid(format!(
             "device_id {} of instance {} is registered as tp_rank {} pp_rank {}, got tp_rank {} pp_rank {}",
-            req.device_id, inst.id, w.tp_rank, w.pp_rank, req.tp_rank, req.pp_rank
+            req.device_id, echo(&inst.id), w.tp_rank, w.pp_rank, req.tp_rank, req.pp_rank
         )));
     }
     Ok(wl)
@@ -355,32 +358,36 @@ fn check_save_layers<'a>(
         if !seen.insert(s.name.as_str()) {
             return Err(EngineError::invalid(format!(
                 "layer {} appears twice in one save",
-                s.name
+                echo(&s.name)
             )));
         }
         let layer = w.layers.get(&s.name).ok_or_else(|| {
             EngineError::invalid(format!(
                 "layer {} is not registered on device_id {} of instance {}",
-                s.name, req.device_id, inst.id
+                echo(&s.name),
+                req.device_id,
+                echo(&inst.id)
             ))
         })?;
         let n = layer.layout.num_blocks();
         if let Some(b) = s.block_ids.iter().find(|&&b| b as u64 >= n) {
             return Err(EngineError::invalid(format!(
                 "block id {b} out of range for layer {} ({n} blocks)",
-                s.name
+                echo(&s.name)
             )));
         }
         let (slot, page_off) = topo.slot_of(&s.name, w.tp_rank).ok_or_else(|| {
             EngineError::invalid(format!(
                 "layer {} is not part of instance {}'s sealed topology",
-                s.name, inst.id
+                echo(&s.name),
+                echo(&inst.id)
             ))
         })?;
         if topo.layers[&s.name].block_bytes != layer.layout.block_bytes() as usize {
             return Err(EngineError::invalid(format!(
                 "layer {} of device_id {} does not match the instance's block geometry",
-                s.name, req.device_id
+                echo(&s.name),
+                req.device_id
             )));
         }
         layers.push((layer, slot, page_off));
