@@ -8,3 +8,25 @@ pub mod redis;
 pub mod registrar_suite;
 pub mod tier_suite;
 pub mod transport_suite;
+
+/// The path of example `name` of the crate whose test is running (cargo puts test binaries in
+/// `target/<profile>/deps/` and examples in `target/<profile>/examples/`).
+///
+/// # Panics
+/// When the example is not built (`cargo test` of the crate, or `cargo build --all-targets`,
+/// builds it).
+pub fn example_bin(name: &str) -> std::path::PathBuf {
+    let exe = std::env::current_exe().expect("the test binary's path");
+    let p = exe
+        .parent()
+        .and_then(|p| p.parent())
+        .expect("target/<profile>/deps/<test>")
+        .join("examples")
+        .join(name);
+    assert!(
+        p.exists(),
+        "{} missing: `cargo test` builds the crate's examples",
+        p.display()
+    );
+    p
+}

@@ -19,23 +19,6 @@ use pegaflow_tests::pool_suite::Rng;
 const BLOCK: u64 = 2 * 2 * 4096;
 const CLIENTS: usize = 4;
 
-fn example_bin(name: &str) -> PathBuf {
-    // target/<profile>/deps/<test> → target/<profile>/examples/<name>
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        p.exists(),
-        "{} missing: `cargo test` builds the crate's examples",
-        p.display()
-    );
-    p
-}
-
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd").map_or(0, |d| d.count())
 }
@@ -106,7 +89,7 @@ async fn clients_killed_at_random_leave_nothing_behind() {
         .ok()
         .and_then(|v| v.parse().ok())
         .unwrap_or(20);
-    let bin = example_bin("soak_client");
+    let bin = pegaflow_tests::example_bin("soak_client");
     // DRAM for 96 blocks: the 256 shared keys do not fit, so saves evict.
     let srv = TestServer::start(ServerOptions {
         capacity_bytes: 96 * BLOCK,

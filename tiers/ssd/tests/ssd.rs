@@ -3,7 +3,7 @@
 //! need root (loop devices, mounts) print `SKIPPED:` with the reason where they cannot run.
 
 use std::io::{BufRead, BufReader};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
@@ -270,23 +270,6 @@ async fn a_directory_that_keeps_failing_leaves_service_and_says_so() {
     );
 }
 
-fn example_bin(name: &str) -> PathBuf {
-    // target/<profile>/deps/<test> → target/<profile>/examples/<name>
-    let exe = std::env::current_exe().unwrap();
-    let p = exe
-        .parent()
-        .and_then(|p| p.parent())
-        .unwrap()
-        .join("examples")
-        .join(name);
-    assert!(
-        p.exists(),
-        "{} missing: `cargo test` builds the crate's examples",
-        p.display()
-    );
-    p
-}
-
 fn crash_config(dir: &Path) -> SsdConfig {
     // As the child (examples/ssd_save_loop.rs) opens it: room for every run, nothing evicted.
     SsdConfig {
@@ -298,7 +281,7 @@ fn crash_config(dir: &Path) -> SsdConfig {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sigkill_during_a_save_loop_loses_no_acknowledged_block() {
-    let bin = example_bin("ssd_save_loop");
+    let bin = pegaflow_tests::example_bin("ssd_save_loop");
     let d = tempfile::tempdir().unwrap();
     let dir = d.path().join("ssd");
     let mut rng = Rng::new(0x5eed);
@@ -403,7 +386,7 @@ async fn read_back_ns(t: &SsdTier, id: u64) -> Option<bool> {
 
 #[test]
 fn io_uring_refused_falls_back_to_posix_and_says_so() {
-    let bin = example_bin("ssd_save_loop");
+    let bin = pegaflow_tests::example_bin("ssd_save_loop");
     let d = tempfile::tempdir().unwrap();
     let run = |extra: &[&str]| {
         let out = Command::new(&bin)
