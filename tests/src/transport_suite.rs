@@ -931,7 +931,15 @@ pub async fn can_address_and_install_host_memory(m: &TransportMaker) {
 #[macro_export]
 macro_rules! transport_conformance_tests {
     ($maker:expr) => {
-        $crate::transport_conformance_tests!(@cases $maker;
+        $crate::transport_conformance_tests!(@list [] $maker);
+    };
+    // Every case `#[ignore]`d with `why` (hardware the cases need, e.g. a GPU): shown as
+    // ignored rather than passed where it is absent; `-- --include-ignored` runs them.
+    (ignore = $why:literal, $maker:expr) => {
+        $crate::transport_conformance_tests!(@list [ignore = $why] $maker);
+    };
+    (@list $attrs:tt $maker:expr) => {
+        $crate::transport_conformance_tests!(@cases $attrs $maker;
             bytes_exact_both_directions,
             zero_length_ops_and_batches,
             adjacent_and_merged_ops,
@@ -943,12 +951,16 @@ macro_rules! transport_conformance_tests {
             can_address_and_install_host_memory,
         );
     };
-    (@cases $maker:expr; $($case:ident),* $(,)?) => {
+    (@cases $attrs:tt $maker:expr; $($case:ident),* $(,)?) => {
         $(
-            #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-            async fn $case() {
-                $crate::transport_suite::$case(&$maker).await;
-            }
+            $crate::transport_conformance_tests!(@one $attrs $maker, $case);
         )*
+    };
+    (@one [$($attr:meta)?] $maker:expr, $case:ident) => {
+        #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+        $(#[$attr])?
+        async fn $case() {
+            $crate::transport_suite::$case(&$maker).await;
+        }
     };
 }
