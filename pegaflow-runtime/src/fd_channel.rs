@@ -357,6 +357,7 @@ impl FdChannel {
     /// the message.
     pub async fn bind(path: &Path, limits: FdChannelLimits) -> io::Result<Arc<Self>> {
         limits.validate()?;
+        create_parent(path)?;
         // Every call below returns without waiting (the probe connects non-blocking), so it
         // runs inline rather than on a blocking thread.
         let (sock, identity) = bind_socket(path)?;
@@ -487,6 +488,34 @@ impl Drop for FdChannel {
 fn io_context(e: impl Into<io::Error>, what: impl std::fmt::Display) -> io::Error {
     let e: io::Error = e.into();
     io::Error::new(e.kind(), format!("{what}: {e}"))
+}
+
+/// Creates the socket's missing parent directories, owner-only (mode 0700: the socket hands
+/// out memory of every registering process), as `/run/pegaflow` on a fresh host. An existing
+/// directory is left as it is.
+fn create_parent(path: &Path) -> io::Result<()> {
+    use std::os::unix::fs::DirBuilderExt;
+    let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) else {
+        return Ok(());
+    };
+    if parent.exists() {
+        return Ok(());
+    }
+    std::fs::DirBuilder::new()
+        .recursive(true)
+        .mode(0o700)
+        .create(parent)
+        .map_err(|e| {
+            io::Error::new(
+                e.kind(),
+                format!(
+                    "cannot create the side channel's directory {}: {e}",
+                    parent.display()
+                ),
+            )
+        })?;
+    info!(dir = %parent.display(), "created the side channel's directory (mode 0700)");
+    Ok(())
 }
 
 /// Creates, binds (replacing a stale socket) and listens; returns the listening socket and
@@ -1036,6 +1065,23 @@ mod tests {
         let sa = nix::sys::stat::fstat(a).expect("fstat");
         let sb = nix::sys::stat::fstat(b).expect("fstat");
         (sa.st_dev, sa.st_ino) == (sb.st_dev, sb.st_ino)
+    }
+
+    #[tokio::test]
+    async fn missing_parent_directories_are_created_owner_only() {
+        use std::os::unix::fs::PermissionsExt;
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("run/pegaflow/fd.sock");
+        let ch = FdChannel::bind(&path, limits())
+            .await
+            .expect("bind creates the directory");
+        let mode = std::fs::metadata(dir.path().join("run/pegaflow"))
+            .unwrap()
+            .permissions()
+            .mode();
+        assert_eq!(mode & 0o777, 0o700, "the directory is owner-only");
+        assert!(path.exists());
+        drop(ch);
     }
 
     #[tokio::test]
