@@ -237,6 +237,21 @@ pub fn format_uuid(b: &[u8]) -> String {
 
 static DRIVER: OnceLock<Result<Driver, CudaError>> = OnceLock::new();
 
+/// Says at start-up, once per process, what a backend cannot do without the driver: the first
+/// caller logs one INFO line (a CPU-only machine is a normal deployment: host-memory
+/// registrations are served), later ones only at DEBUG. `part` names what will be refused
+/// (`cuda-ipc registrations`, ...).
+pub fn note_unavailable(part: &str, e: &CudaError) {
+    static SAID: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(false);
+    if SAID.swap(true, std::sync::atomic::Ordering::Relaxed) {
+        tracing::debug!("{part} will be refused: {e}");
+    } else {
+        tracing::info!(
+            "{e}: CUDA IPC and CUDA VMM registrations will be refused and the cuda transport copies nothing; host-memory registrations are served"
+        );
+    }
+}
+
 /// The process's CUDA driver, loaded and initialised on first use (then cached, success or
 /// failure).
 ///

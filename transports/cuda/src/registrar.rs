@@ -90,7 +90,7 @@ impl CudaIpcRegistrar {
     fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Registrar>> {
         let _: CudaIpcConfig = parse_settings("cuda-ipc registrar", table)?;
         if let Err(e) = driver() {
-            tracing::warn!("cuda-ipc registrations will fail: {e}");
+            crate::driver::note_unavailable("cuda-ipc registrations", &e);
         }
         Ok(Arc::new(Self::new(ctx.devices.clone())))
     }

@@ -257,7 +257,7 @@ impl CudaTransport {
             })
         });
         if let Err(e) = &shared {
-            tracing::warn!("cuda transport: copies will fail: {e}");
+            crate::driver::note_unavailable("cuda transport copies", e);
         }
         Self { shared }
     }

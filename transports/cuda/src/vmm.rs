@@ -462,8 +462,13 @@ impl CudaVmmRegistrar {
                 "cuda-vmm registrations will be refused: no fd side channel (--fd-socket-path)"
             );
         }
-        if let Err(e) = vmm_driver() {
-            tracing::warn!("cuda-vmm registrations will fail: {e}");
+        match driver() {
+            Err(e) => crate::driver::note_unavailable("cuda-vmm registrations", &e),
+            Ok(_) => {
+                if let Err(e) = vmm_driver() {
+                    tracing::warn!("cuda-vmm registrations will fail: {e}");
+                }
+            }
         }
         Ok(Arc::new(Self::new(
             ctx.fd_channel.clone(),
