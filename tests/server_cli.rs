@@ -220,3 +220,147 @@ impl Drop for KillOnDrop {
         let _ = self.0.wait();
     }
 }
+
+/// The binary run with `args`: (exit code, stdout, stderr).
+fn run_any(args: &[&str]) -> (Option<i32>, String, String) {
+    let out = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+        .args(args)
+        .env("NO_COLOR", "1")
+        .output()
+        .unwrap();
+    (
+        out.status.code(),
+        String::from_utf8_lossy(&out.stdout).into_owned(),
+        String::from_utf8_lossy(&out.stderr).into_owned(),
+    )
+}
+
+/// A log level the server does not know fails start-up with the configuration-error code
+/// (2), listing the accepted levels; levels in any case and filter directives pass.
+#[test]
+fn unknown_log_levels_are_refused() {
+    for bad in [
+        "verbose",
+        "warning",
+        "debug2",
+        "pegaflow_runtime=loud",
+        "info,,",
+    ] {
+        let (code, _, err) = run_any(&["--log-level", bad, "--pool-size", "64mb"]);
+        assert_eq!(code, Some(2), "{bad}: {err}");
+        assert!(
+            err.contains("invalid log level")
+                && err.contains("error, warn, info, debug, trace, off"),
+            "{bad}: {err}"
+        );
+    }
+    for good in ["WARN", "off", "pegaflow_runtime=debug,info"] {
+        let (code, _, err) = run_any(&["--check-config", "--log-level", good]);
+        assert_eq!(code, Some(0), "{good}: {err}");
+    }
+}
+
+/// `--addr` takes a host name: `localhost:0` starts a server that serves.
+#[test]
+fn host_names_are_resolved_for_addr() {
+    use std::io::BufRead;
+    use std::process::Stdio;
+    let child = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+        .args([
+            "--addr",
+            "localhost:0",
+            "--http-addr",
+            "127.0.0.1:0",
+            "--pool-size",
+            "64mb",
+        ])
+        .env("NO_COLOR", "1")
+        .stdout(Stdio::piped())
+        .stderr(Stdio::inherit())
+        .spawn()
+        .unwrap();
+    let mut child = KillOnDrop(child);
+    let stdout = child.0.stdout.take().unwrap();
+    let mut log = Vec::new();
+    for line in std::io::BufReader::new(stdout).lines() {
+        let line = line.unwrap();
+        log.push(line.clone());
+        if line.contains("serving") {
+            break;
+        }
+    }
+    assert!(
+        log.iter().any(|l| l.contains("serving")),
+        "the server did not start:\n{}",
+        log.join("\n")
+    );
+    assert!(
+        log.iter()
+            .any(|l| l.contains("addr localhost:0 resolves to")),
+        "{}",
+        log.join("\n")
+    );
+    let (code, _, err) = run_any(&["--check-config", "--addr", "no-port-here"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("expected host:port"), "{err}");
+}
+
+/// A bare size below 1 MiB is refused naming the flag and suggesting a unit.
+#[test]
+fn a_bare_small_pool_size_is_refused() {
+    let (code, _, err) = run_any(&["--pool-size", "30"]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(
+        err.contains("--pool-size 30: 30 bytes is smaller than a block; did you mean 30gb?"),
+        "{err}"
+    );
+    let (code, _, err) = run_any(&["--check-config", "--pool-size", "67108864"]);
+    assert_eq!(code, Some(0), "a bare byte count of 64 MiB is fine: {err}");
+}
+
+/// `--check-config` names a typo'd key and fails; on a good pipeline it prints what will run
+/// and exits 0. `--print-config` refuses the typo too.
+#[test]
+fn check_config_validates_backend_settings() {
+    let dir = std::env::temp_dir().join(format!("pegaflow-server-cli-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let dir = TempDir(dir);
+    let bad = dir.0.join("bad.toml");
+    std::fs::write(&bad, "[[tier]]\nkind = \"dram\"\ncapacty = \"1gb\"\n").unwrap();
+    let bad = bad.to_str().unwrap();
+    for flag in ["--check-config", "--print-config"] {
+        let (code, out, err) = run_any(&[flag, "--config", bad]);
+        assert_eq!(code, Some(2), "{flag}: {out}{err}");
+        assert!(
+            err.contains("dram tier") && err.contains("capacty") && err.contains("capacity"),
+            "{flag}: {err}"
+        );
+        assert!(out.is_empty(), "{flag} printed {out}");
+    }
+    let good = dir.0.join("good.toml");
+    std::fs::write(
+        &good,
+        "[[tier]]\nkind = \"dram\"\ncapacity = \"1gb\"\n[[transport]]\nkind = \"memcpy\"\n",
+    )
+    .unwrap();
+    let (code, out, err) = run_any(&["--check-config", "--config", good.to_str().unwrap()]);
+    assert_eq!(code, Some(0), "{err}");
+    assert!(out.contains("pipeline is valid"), "{out}");
+    assert!(out.contains("tiers:       dram"), "{out}");
+    assert!(out.contains("transports:  memcpy"), "{out}");
+    assert!(out.contains("registrars:"), "{out}");
+    let bad_kind = dir.0.join("kind.toml");
+    std::fs::write(&bad_kind, "[[transport]]\nkind = \"memcopy\"\n").unwrap();
+    let (code, _, err) = run_any(&["--check-config", "--config", bad_kind.to_str().unwrap()]);
+    assert_eq!(code, Some(2), "{err}");
+    assert!(err.contains("memcopy"), "{err}");
+}
+
+/// A directory removed when the test ends.
+struct TempDir(std::path::PathBuf);
+
+impl Drop for TempDir {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.0);
+    }
+}

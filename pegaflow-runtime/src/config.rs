@@ -516,22 +516,266 @@ impl PipelineConfig {
         toml::to_string_pretty(self).unwrap_or_else(|e| format!("# cannot render: {e}"))
     }
 
-    /// The gRPC address, parsed.
+    /// The gRPC address: a literal `IP:port`, or a `host:port` resolved to its first
+    /// address (logged).
     pub fn grpc_addr(&self) -> anyhow::Result<SocketAddr> {
-        self.server
-            .addr
-            .parse()
-            .with_context(|| format!("invalid addr {:?} (expected host:port)", self.server.addr))
+        resolve_addr("addr", &self.server.addr)
     }
 
-    /// The HTTP address, parsed.
+    /// The HTTP address, as [`Self::grpc_addr`].
     pub fn http_addr(&self) -> anyhow::Result<SocketAddr> {
-        self.server.http_addr.parse().with_context(|| {
-            format!(
-                "invalid http_addr {:?} (expected host:port)",
-                self.server.http_addr
+        resolve_addr("http_addr", &self.server.http_addr)
+    }
+
+    /// Checks what start-up would refuse without binding a port or building a backend: the
+    /// addresses (resolved), every kind and layer name, and every key of every backend's
+    /// table against the keys its factory knows (its defaults and documented options). The
+    /// values of known keys are checked only when the backend is built.
+    ///
+    /// # Errors
+    /// The first problem found, naming the entry and the key.
+    pub fn check(&self) -> anyhow::Result<()> {
+        use crate::plugin::{
+            directory_factory, layer_factory, parse_layer_entry, peer_service_factory,
+            registrar_factory, tier_factory, transport_factory,
+        };
+        self.server.validate()?;
+        validate_log_level(&self.server.log_level)?;
+        self.grpc_addr()?;
+        self.http_addr()?;
+        if self.tiers.is_empty() {
+            bail!(
+                "the pipeline has no tier; add a [[tier]] of a landing kind (this binary knows: {})",
+                crate::plugin::known_tiers()
+            );
+        }
+        let check_layers = |what: &str, layers: &[toml::Value]| -> anyhow::Result<()> {
+            for l in layers {
+                let (name, settings) = parse_layer_entry(l).with_context(|| what.to_string())?;
+                let f = layer_factory(&name).with_context(|| what.to_string())?;
+                check_keys(&format!("{what}: layer {name:?}"), &f.config, &settings)?;
+            }
+            Ok(())
+        };
+        for t in &self.tiers {
+            let f = tier_factory(&t.kind)?;
+            let what = format!("{} tier", t.kind);
+            check_keys(&what, &f.config, &t.settings)?;
+            check_layers(&what, &t.layers)?;
+        }
+        for t in self.transports.iter().flatten() {
+            let f = transport_factory(&t.kind)?;
+            let what = format!("{} transport", t.kind);
+            check_keys(&what, &f.config, &t.settings)?;
+            check_layers(&what, &t.layers)?;
+        }
+        for r in self.registrars.iter().flatten() {
+            let f = registrar_factory(&r.kind)?;
+            check_keys(&format!("{} registrar", r.kind), &f.config, &r.settings)?;
+        }
+        if let Some(d) = &self.directory {
+            let f = directory_factory(&d.kind)?;
+            check_keys(&format!("{} directory", d.kind), &f.config, &d.settings)?;
+            d.validate()?;
+        }
+        if let Some(p) = &self.peer {
+            let f = peer_service_factory(&p.kind)?;
+            check_keys(&format!("{} peer delegate", p.kind), &f.config, &p.settings)?;
+        }
+        Ok(())
+    }
+
+    /// What `--check-config` prints: the backends that will run, in order, and the
+    /// addresses.
+    pub fn describe(&self) -> String {
+        use std::fmt::Write;
+        let entry = |e: &PluginConfig| {
+            let mut s = e.kind.clone();
+            if !e.layers.is_empty() {
+                let names: Vec<String> = e
+                    .layers
+                    .iter()
+                    .map(|l| {
+                        crate::plugin::parse_layer_entry(l).map_or_else(|_| "?".into(), |(n, _)| n)
+                    })
+                    .collect();
+                let _ = write!(s, " (layers: {})", names.join(", "));
+            }
+            s
+        };
+        let list = |l: &Option<Vec<PluginConfig>>, linked: Vec<&str>| match l {
+            Some(l) if l.is_empty() => "none".to_string(),
+            Some(l) => l.iter().map(entry).collect::<Vec<_>>().join(", "),
+            None => format!("{} (every linked kind)", linked.join(", ")),
+        };
+        let mut o = String::new();
+        let _ = writeln!(o, "pipeline is valid");
+        let _ = writeln!(o, "  grpc addr:   {}", self.server.addr);
+        let _ = writeln!(o, "  http addr:   {}", self.server.http_addr);
+        let _ = writeln!(o, "  log level:   {}", self.server.log_level);
+        let _ = writeln!(
+            o,
+            "  tiers:       {}",
+            self.tiers
+                .iter()
+                .map(entry)
+                .collect::<Vec<_>>()
+                .join(" -> ")
+        );
+        let _ = writeln!(
+            o,
+            "  transports:  {}",
+            list(
+                &self.transports,
+                inventory::iter::<TransportFactory>()
+                    .map(|f| f.kind)
+                    .collect()
             )
-        })
+        );
+        let _ = writeln!(
+            o,
+            "  registrars:  {}{}",
+            list(
+                &self.registrars,
+                inventory::iter::<RegistrarFactory>()
+                    .map(|f| f.kind)
+                    .collect()
+            ),
+            if self.server.python_registry {
+                ""
+            } else {
+                " (python_registry = false: those of Python registrations are left out)"
+            }
+        );
+        let _ = writeln!(
+            o,
+            "  fd channel:  {}",
+            self.fd_channel
+                .as_ref()
+                .map_or_else(|| "off".into(), |c| c.path.display().to_string())
+        );
+        let _ = writeln!(
+            o,
+            "  directory:   {}",
+            self.directory.as_ref().map_or("none", |d| d.kind.as_str())
+        );
+        let _ = writeln!(
+            o,
+            "  peer:        {}",
+            self.peer.as_ref().map_or("none", |p| p.kind.as_str())
+        );
+        o
+    }
+}
+
+/// Refuses a key of `table` (a backend's settings) that the backend's [`ConfigSchema`]
+/// neither defaults nor documents, listing the valid keys.
+fn check_keys(
+    what: &str,
+    schema: &crate::plugin::ConfigSchema,
+    table: &toml::Table,
+) -> anyhow::Result<()> {
+    let defaults = (schema.defaults)();
+    let known = |k: &str| defaults.contains_key(k) || schema.options.iter().any(|o| o.name == k);
+    if let Some(k) = table.keys().find(|k| k.as_str() != "kind" && !known(k)) {
+        let mut valid: Vec<&str> = defaults.keys().map(String::as_str).collect();
+        for o in schema.options {
+            if !valid.contains(&o.name) {
+                valid.push(o.name);
+            }
+        }
+        if valid.is_empty() {
+            bail!("{what}: unknown setting `{k}`: it takes no settings");
+        }
+        bail!(
+            "{what}: unknown setting `{k}`, expected one of: {}",
+            valid.join(", ")
+        );
+    }
+    Ok(())
+}
+
+/// `text` as a socket address: a literal `IP:port`, or a `host:port` resolved with the
+/// system resolver, taking the first address (logged at INFO).
+///
+/// # Errors
+/// No port, or a host name that does not resolve.
+pub fn resolve_addr(what: &str, text: &str) -> anyhow::Result<SocketAddr> {
+    use std::net::ToSocketAddrs;
+    if let Ok(a) = text.parse::<SocketAddr>() {
+        return Ok(a);
+    }
+    if text
+        .rsplit_once(':')
+        .is_none_or(|(h, p)| h.is_empty() || p.parse::<u16>().is_err())
+    {
+        bail!("invalid {what} {text:?}: expected host:port (an IP address or a host name, and a port)");
+    }
+    let first = text
+        .to_socket_addrs()
+        .with_context(|| format!("invalid {what} {text:?}: cannot resolve the host name"))?
+        .next()
+        .with_context(|| format!("invalid {what} {text:?}: the host name has no address"))?;
+    tracing::info!("{what} {text} resolves to {first}; using it");
+    Ok(first)
+}
+
+/// The log levels `--log-level` accepts on their own (any case).
+pub const LOG_LEVELS: [&str; 6] = ["error", "warn", "info", "debug", "trace", "off"];
+
+/// Checks a `--log-level` / `log_level` value: a level of [`LOG_LEVELS`] (any case), or a
+/// tracing filter of comma-separated directives, each a level or `TARGET=LEVEL`
+/// (`pegaflow_runtime=debug,info`). A bare word that is no level (`verbose`), which the
+/// tracing filter would read as a target name, and so log nothing, is refused.
+///
+/// # Errors
+/// A directive that is neither, with the accepted forms.
+pub fn validate_log_level(text: &str) -> anyhow::Result<()> {
+    let is_level = |l: &str| LOG_LEVELS.iter().any(|v| v.eq_ignore_ascii_case(l.trim()));
+    let bad = |why: String| {
+        anyhow::anyhow!(
+            "invalid log level {text:?}: {why}; accepted: error, warn, info, debug, trace, off (any case), or a tracing filter directive like `pegaflow_runtime=debug,info`"
+        )
+    };
+    if text.trim().is_empty() {
+        return Err(bad("it is empty".into()));
+    }
+    for d in text.split(',') {
+        let d = d.trim();
+        if d.is_empty() {
+            return Err(bad("an empty directive".into()));
+        }
+        match d.rsplit_once('=') {
+            None if is_level(d) => {}
+            None => return Err(bad(format!("{d:?} is not a level"))),
+            Some((target, level)) => {
+                if target.trim().is_empty() || !is_level(level) {
+                    return Err(bad(format!(
+                        "directive {d:?} must be TARGET=LEVEL with a level of error, warn, info, debug, trace or off"
+                    )));
+                }
+            }
+        }
+    }
+    tracing_subscriber::EnvFilter::try_new(text).map_err(|e| bad(e.to_string()))?;
+    Ok(())
+}
+
+/// The smallest size a size flag takes as a bare number of bytes: a bare `30` is far more
+/// likely `30gb` with the unit forgotten than a 30-byte pool.
+pub const MIN_BARE_SIZE: u64 = 1 << 20;
+
+/// Refuses a bare number below [`MIN_BARE_SIZE`] for a size flag, suggesting a unit.
+fn check_bare_size(long: &str, value: FlagValue, text: &str) -> anyhow::Result<()> {
+    let t = text.trim();
+    if value != FlagValue::Size || t.is_empty() || !t.bytes().all(|b| b.is_ascii_digit()) {
+        return Ok(());
+    }
+    match t.parse::<u64>() {
+        Ok(n) if n < MIN_BARE_SIZE => bail!(
+            "--{long} {t}: {n} bytes is smaller than a block; did you mean {t}gb? (give a unit: kb, mb, gb, tb; a bare number is bytes and must be at least {MIN_BARE_SIZE})"
+        ),
+        _ => Ok(()),
     }
 }
 
@@ -562,9 +806,15 @@ pub struct Flags {
     /// Print every linked tier, transport and registrar kind with its options, then exit.
     #[arg(long)]
     pub list_plugins: bool,
-    /// Print the effective pipeline (file + flags) as TOML, then exit.
+    /// Print the effective pipeline (file + flags) as TOML, then exit; a pipeline
+    /// `--check-config` refuses is refused here too.
     #[arg(long)]
     pub print_config: bool,
+    /// Check the pipeline (file + flags): addresses, every kind, layer and backend setting
+    /// key; print the tiers, transports and registrars that will run, then exit (0 when valid,
+    /// 2 when not). Binds no port and allocates no pool.
+    #[arg(long)]
+    pub check_config: bool,
 
     /// gRPC listen address; also the node identity advertised to peers. [default: 127.0.0.1:50055]
     #[arg(long, value_name = "HOST:PORT")]
@@ -649,6 +899,8 @@ pub struct GivenFlag {
     pub declared: DeclaredFlag,
     /// The value, as the flag's [`crate::plugin::FlagValue`] parsed it.
     pub value: toml::Value,
+    /// The text given on the command line (the last occurrence).
+    pub text: String,
 }
 
 /// `pegaflow-server`'s whole command line: the runtime's [`Flags`] plus the flags every
@@ -767,7 +1019,16 @@ fn given_factory_flags(m: &clap::ArgMatches) -> Vec<GivenFlag> {
                     .ok()??
                     .clone()
             };
-            Some(GivenFlag { declared, value })
+            let text = m
+                .get_raw(declared.flag.long)
+                .and_then(|mut v| v.next_back())
+                .map(|t| t.to_string_lossy().into_owned())
+                .unwrap_or_default();
+            Some(GivenFlag {
+                declared,
+                value,
+                text,
+            })
         })
         .collect()
 }
@@ -920,6 +1181,7 @@ impl Cli {
         }
         for g in &self.factory_flags {
             let d = &g.declared;
+            check_bare_size(d.flag.long, d.flag.value, &g.text)?;
             if d.flag.adds_entry
                 && d.section == Section::Tier
                 && !p.tiers.iter().any(|t| t.kind == d.kind)
@@ -989,8 +1251,7 @@ impl Cli {
             }
         }
         p.server.validate()?;
-        tracing_subscriber::EnvFilter::try_new(&p.server.log_level)
-            .map_err(|e| anyhow::anyhow!("invalid log level {:?}: {e}", p.server.log_level))?;
+        validate_log_level(&p.server.log_level)?;
         Ok(p)
     }
 

@@ -79,6 +79,14 @@ impl DramSettings {
     }
 }
 
+/// `MemTotal` of `/proc/meminfo`, in bytes; `None` where it cannot be read.
+fn physical_memory() -> Option<u64> {
+    let text = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = text.lines().find(|l| l.starts_with("MemTotal:"))?;
+    let kib: u64 = line.split_whitespace().nth(1)?.parse().ok()?;
+    kib.checked_mul(1024)
+}
+
 fn describe_bytes(n: u64) -> String {
     format!("{n} bytes ({:.2} GiB)", n as f64 / (1u64 << 30) as f64)
 }
@@ -129,6 +137,17 @@ impl DramTier {
             shards = settings.shards,
             "dram tier mapped (committed lazily)"
         );
+        if let Some(total) = physical_memory() {
+            if capacity as u64 > total {
+                tracing::warn!(
+                    capacity_bytes = capacity,
+                    mem_total_bytes = total,
+                    "dram tier capacity {} exceeds this machine's physical memory {}: the pool is committed lazily, so start-up works, but filling it will swap or meet the OOM killer; lower --pool-size (capacity)",
+                    describe_bytes(capacity as u64),
+                    describe_bytes(total)
+                );
+            }
+        }
         Ok(Self {
             pool: Arc::new(pool),
             settings,
