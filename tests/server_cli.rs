@@ -364,3 +364,49 @@ impl Drop for TempDir {
         let _ = std::fs::remove_dir_all(&self.0);
     }
 }
+
+/// Every flag of PegaFlow 0.25.1's server (the published wheel's `pegaflow-server-py --help`)
+/// is a flag here too: flags of parts this build lacks parse and fail start-up naming the part.
+#[test]
+fn every_flag_of_pegaflows_server_is_accepted() {
+    let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
+    let theirs = std::fs::read_dir(&lib).ok().and_then(|d| {
+        d.filter_map(Result::ok)
+            .map(|e| e.path().join("site-packages/pegaflow/pegaflow-server-py"))
+            .find(|p| p.is_file())
+    });
+    let Some(theirs) = theirs else {
+        println!("SKIP: every_flag_of_pegaflows_server_is_accepted: the wheel is not installed (scripts/python-venv.sh)");
+        return;
+    };
+    let flags = |help: &str| -> std::collections::BTreeSet<String> {
+        help.lines()
+            .filter_map(|l| {
+                let t = l.trim_start();
+                let t = t
+                    .strip_prefix("-h, ")
+                    .or(t.strip_prefix("-V, "))
+                    .unwrap_or(t);
+                t.strip_prefix("--")
+                    .map(|r| r.split([' ', '<', '=']).next().unwrap_or("").to_string())
+            })
+            .filter(|f| !f.is_empty())
+            .collect()
+    };
+    let out = Command::new(&theirs).arg("--help").output().unwrap();
+    let theirs = flags(&String::from_utf8_lossy(&out.stdout));
+    assert!(theirs.len() > 20, "parsed PegaFlow's --help: {theirs:?}");
+    let ours = flags(&run(&["--help"]));
+    let missing: Vec<&String> = theirs.difference(&ours).collect();
+    assert!(
+        missing.is_empty(),
+        "PegaFlow flags missing here: {missing:?}"
+    );
+    // A flag of a part this build lacks fails start-up naming the part.
+    let out = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+        .args(["--backup-max-bandwidth", "2gb"])
+        .output()
+        .unwrap();
+    assert_eq!(out.status.code(), Some(2), "{out:?}");
+    assert!(String::from_utf8_lossy(&out.stderr).contains("decode backup"));
+}

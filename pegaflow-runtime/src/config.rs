@@ -943,7 +943,13 @@ const PLACEHOLDER_FLAGS: &[(&str, &str)] = &[
         "metaserver-addr",
         "a directory backend that declares this flag (the MetaServer client)",
     ),
+    ("backup-reclaimable-percent", DECODE_BACKUP),
+    ("backup-max-candidates", DECODE_BACKUP),
+    ("backup-pull-max-bytes", DECODE_BACKUP),
+    ("backup-max-bandwidth", DECODE_BACKUP),
 ];
+/// PegaFlow 0.25.1's decode backup (idle decode nodes pulling retained blocks of busy ones).
+const DECODE_BACKUP: &str = "decode backup (idle decode nodes pulling the blocks of busy ones)";
 const LOWER_TIER: &str = "an SSD tier (a tier below the landing tier that declares this flag)";
 const TRANSPORT: &str = "a cross-node transport that declares this flag";
 
