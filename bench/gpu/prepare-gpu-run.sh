@@ -1,0 +1,20 @@
+#!/usr/bin/env bash
+# Prepare a git-ignored folder .gpu/ in the project checkout for one run on the H200 GPU machine:
+# the published client wheel (which also holds PegaFlow's own server), the bench, our release binary,
+# and gpu-run.sh. Then run `bash .gpu/gpu-run.sh` there with `.gpu` carried along.
+# Usage (from the project root): bench/gpu/prepare-gpu-run.sh [path/to/pegaflow-server]
+set -euo pipefail
+here=$(cd "$(dirname "$0")" && pwd)
+root=$(git rev-parse --show-toplevel)
+cd "$root"
+grep -qx '/.gpu/' .git/info/exclude 2>/dev/null || echo '/.gpu/' >> .git/info/exclude
+mkdir -p .gpu
+if ! ls .gpu/pegaflow_llm_cu13-0.25.1-cp312-*.whl >/dev/null 2>&1; then
+  python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+    --platform manylinux_2_34_x86_64 -d .gpu pegaflow-llm-cu13==0.25.1
+fi
+cp "$here/pf_bench.py" "$here/gpu-run.sh" .gpu/
+bin=${1:-target/release/pegaflow-server}
+if [ -x "$bin" ]; then cp "$bin" .gpu/pegaflow-server; else echo "note: no server binary at $bin; only PegaFlow will be measured" >&2; rm -f .gpu/pegaflow-server; fi
+du -sh .gpu
+echo "ready: run 'bash .gpu/gpu-run.sh' on the GPU machine, carrying .gpu"
