@@ -122,6 +122,10 @@ impl ServerHandle {
 
 /// Builds the plugins of `pipeline` and starts serving. Returns once both listeners are bound.
 pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
+    tracing::info!(
+        version = env!("CARGO_PKG_VERSION"),
+        "pegaflow-server starting"
+    );
     pipeline.server.validate()?;
     let nofile = raise_open_file_limit();
     // Bind first: a taken port fails start-up before any memory is mapped or pinned.
@@ -283,7 +287,11 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             }
         }));
     }
-    tracing::info!(%grpc_addr, %http_addr, fd_channel = ?pipeline.fd_channel.as_ref().map(|c| &c.path), "serving");
+    let side_channel = pipeline
+        .fd_channel
+        .as_ref()
+        .map_or_else(|| "off".to_string(), |c| c.path.display().to_string());
+    tracing::info!(%grpc_addr, %http_addr, fd_channel = %side_channel, "serving");
     Ok(ServerHandle {
         grpc_addr,
         http_addr,
