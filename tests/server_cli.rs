@@ -410,3 +410,22 @@ fn every_flag_of_pegaflows_server_is_accepted() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("decode backup"));
 }
+
+/// The README's pipeline example, as printed, passes `--check-config` (and with the flag the
+/// README shows next to it).
+#[test]
+fn the_readme_pipeline_example_is_valid() {
+    let readme =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/README.md")).unwrap();
+    let start = readme
+        .find("```toml\n")
+        .expect("README.md has a ```toml example")
+        + "```toml\n".len();
+    let end = start + readme[start..].find("```").expect("the example ends");
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("pipeline.toml");
+    std::fs::write(&path, &readme[start..end]).unwrap();
+    let p = path.to_str().unwrap();
+    run(&["--config", p, "--check-config"]);
+    run(&["--config", p, "--pool-size", "64gb", "--check-config"]);
+}
