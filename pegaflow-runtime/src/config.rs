@@ -711,10 +711,17 @@ pub fn resolve_addr(what: &str, text: &str) -> anyhow::Result<SocketAddr> {
     {
         bail!("invalid {what} {text:?}: expected host:port (an IP address or a host name, and a port)");
     }
-    let first = text
+    let all: Vec<SocketAddr> = text
         .to_socket_addrs()
         .with_context(|| format!("invalid {what} {text:?}: cannot resolve the host name"))?
-        .next()
+        .collect();
+    // IPv4 first: `localhost` often resolves to ::1 before 127.0.0.1, and clients configured
+    // with 127.0.0.1 would then find nothing listening.
+    let first = all
+        .iter()
+        .find(|a| a.is_ipv4())
+        .or(all.first())
+        .copied()
         .with_context(|| format!("invalid {what} {text:?}: the host name has no address"))?;
     tracing::info!("{what} {text} resolves to {first}; using it");
     Ok(first)

@@ -664,6 +664,9 @@ impl CappedListener {
                     // TCP_NODELAY: without it a small response segment waits for the
                     // client's delayed ACK (~40 ms stalls between RPCs).
                     let _ = stream.set_nodelay(true);
+                    // TCP keepalive: a peer whose host died without a FIN or RST would
+                    // otherwise hold its slot for ever (gRPC pings stay off for the client).
+                    set_keepalive(&stream);
                     self.open.inc();
                     return Conn {
                         stream,
@@ -836,5 +839,19 @@ impl tokio::io::AsyncWrite for Conn {
         cx: &mut std::task::Context<'_>,
     ) -> std::task::Poll<std::io::Result<()>> {
         std::pin::Pin::new(&mut self.get_mut().stream).poll_shutdown(cx)
+    }
+}
+
+/// Enables TCP keepalive on an accepted connection: the first probe after 60 s idle, then
+/// every 10 s, the connection dropped after 6 unanswered (a dead peer frees its slot within
+/// about two minutes). Best effort: a refused option leaves the connection as it was.
+fn set_keepalive(stream: &tokio::net::TcpStream) {
+    use nix::sys::socket::{setsockopt, sockopt};
+    let _ = setsockopt(stream, sockopt::KeepAlive, &true);
+    #[cfg(target_os = "linux")]
+    {
+        let _ = setsockopt(stream, sockopt::TcpKeepIdle, &60);
+        let _ = setsockopt(stream, sockopt::TcpKeepInterval, &10);
+        let _ = setsockopt(stream, sockopt::TcpKeepCount, &6);
     }
 }

@@ -307,9 +307,11 @@ impl Engine {
             if used {
                 entry.buffers.push(buf);
                 entry.footprint += fp;
-                if !entry.writers.contains(&writer) {
-                    entry.writers.push(writer);
-                }
+            }
+            // A writer whose slots another instance already filled still counts: the block
+            // must outlive whichever of them goes first.
+            if !entry.writers.contains(&writer) {
+                entry.writers.push(writer);
             }
             if entry.filled == total {
                 let e = inflight.remove(&key).expect("entry present");
