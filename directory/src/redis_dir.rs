@@ -663,6 +663,29 @@ impl RedisDirectory {
         c
     }
 
+    /// Runs `script` once per batch of block keys, each call's keys being the node record
+    /// `node_key` followed by the batch, with the same `args`; the answers in batch order.
+    async fn eval_node_batches(
+        &self,
+        script: &Script,
+        node_key: &str,
+        batches: &[Vec<String>],
+        args: &[&str],
+    ) -> Result<Vec<Value>, DirectoryError> {
+        self.eval(script, |_| {
+            batches
+                .iter()
+                .map(|b| {
+                    let keys: Vec<&str> = std::iter::once(node_key)
+                        .chain(b.iter().map(String::as_str))
+                        .collect();
+                    Self::evalsha(script, &keys, args)
+                })
+                .collect()
+        })
+        .await
+    }
+
     /// Runs a one-key node script (heartbeat, resync, unregister) with the arguments `args`
     /// makes from the connection's server `run_id`, and returns its answer.
     async fn node_script(
@@ -899,17 +922,7 @@ impl Directory for RedisDirectory {
             &prefix,
         ];
         let out = self
-            .eval(script, |_| {
-                batches
-                    .iter()
-                    .map(|b| {
-                        let keys: Vec<&str> = std::iter::once(node_key.as_str())
-                            .chain(b.iter().map(String::as_str))
-                            .collect();
-                        Self::evalsha(script, &keys, &args)
-                    })
-                    .collect()
-            })
+            .eval_node_batches(script, &node_key, &batches, &args)
             .await?;
         let mut answer = InsertAnswer::default();
         for (i, v) in out.iter().enumerate() {
@@ -958,17 +971,7 @@ impl Directory for RedisDirectory {
         let script = &self.scripts.remove;
         let args = [node.session.as_str(), node.addr.as_str()];
         let out = self
-            .eval(script, |_| {
-                batches
-                    .iter()
-                    .map(|b| {
-                        let keys: Vec<&str> = std::iter::once(node_key.as_str())
-                            .chain(b.iter().map(String::as_str))
-                            .collect();
-                        Self::evalsha(script, &keys, &args)
-                    })
-                    .collect()
-            })
+            .eval_node_batches(script, &node_key, &batches, &args)
             .await?;
         let mut removed = 0u64;
         for v in &out {
