@@ -1122,6 +1122,7 @@ fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut 
                 .into_iter()
                 .collect()
         }
+        Section::Peer => p.peer.iter_mut().filter(|t| t.kind == kind).collect(),
     };
     entries.into_iter().map(|e| &mut e.settings).collect()
 }
@@ -1200,6 +1201,13 @@ impl Cli {
                 && !p.tiers.iter().any(|t| t.kind == d.kind)
             {
                 p.tiers.push(PluginConfig {
+                    kind: d.kind.into(),
+                    layers: Vec::new(),
+                    settings: toml::Table::new(),
+                });
+            }
+            if d.flag.adds_entry && d.section == Section::Peer && p.peer.is_none() {
+                p.peer = Some(PluginConfig {
                     kind: d.kind.into(),
                     layers: Vec::new(),
                     settings: toml::Table::new(),

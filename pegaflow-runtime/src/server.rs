@@ -202,6 +202,20 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         )
     });
 
+    // The peer rung: a [peer] that fetches, with the directory that says from where.
+    if let Some(fetcher) = engine.peer().and_then(|p| p.fetcher()) {
+        match &directory {
+            Some(d) => {
+                tracing::info!(peer = fetcher.kind(), "peer fetch on: queries fall through DRAM → peer → lower tiers");
+                engine.store().set_peer(fetcher, d.clone());
+            }
+            None => tracing::warn!(
+                peer = fetcher.kind(),
+                "the [peer] can fetch, but the pipeline has no [directory] to find holders with: serving peers only"
+            ),
+        }
+    }
+
     let stop = Arc::new(Notify::new());
     let shutdown_requested = Arc::new(Notify::new());
     let mut tasks = Vec::new();

@@ -69,6 +69,9 @@ impl PeerService for EchoPeer {
             handshake_metadata: m,
         })
     }
+    fn fetcher(&self) -> Option<Arc<dyn pegaflow_runtime::PeerFetcher>> {
+        None
+    }
 }
 
 fn build(t: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn PeerService>> {
@@ -83,6 +86,7 @@ inventory::submit! {
         kind: "test-echo",
         summary: "test only: echoes the server-to-server RPCs",
         config: ConfigSchema::NONE,
+        flags: &[],
         build,
     }
 }

@@ -27,7 +27,8 @@ pub use layer::{
     LayerFactory, TierLayerBuild, TransportLayerBuild,
 };
 pub use peer::{
-    known_peer_services, peer_service_factory, PeerService, PeerServiceBuild, PeerServiceFactory,
+    known_peer_services, peer_service_factory, PeerDataError, PeerDataPath, PeerFetcher,
+    PeerRead, PeerService, PeerServiceBuild, PeerServiceFactory, RemoteRange,
 };
 pub use pool::{HostPool, HostRegion};
 pub use registrar::{
@@ -406,6 +407,8 @@ pub enum Section {
     Registrar,
     /// `[directory]`.
     Directory,
+    /// `[peer]`.
+    Peer,
 }
 
 impl Section {
@@ -416,6 +419,7 @@ impl Section {
             Section::Transport => "transport",
             Section::Registrar => "registrar",
             Section::Directory => "directory",
+            Section::Peer => "peer delegate",
         }
     }
 }
@@ -453,6 +457,9 @@ pub fn declared_flags() -> Vec<DeclaredFlag> {
     }
     for f in inventory::iter::<DirectoryFactory>() {
         add(Section::Directory, f.kind, f.flags);
+    }
+    for f in inventory::iter::<PeerServiceFactory>() {
+        add(Section::Peer, f.kind, f.flags);
     }
     v
 }
@@ -502,7 +509,7 @@ fn rows() -> Vec<(&'static str, Vec<Row>)> {
         (
             "peer delegates ([peer] kind = ...: the server-to-server RPCs)",
             inventory::iter::<PeerServiceFactory>()
-                .map(|f| row(f.kind, f.summary, f.config, &[]))
+                .map(|f| row(f.kind, f.summary, f.config, f.flags))
                 .collect(),
         ),
         (

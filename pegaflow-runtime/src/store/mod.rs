@@ -181,6 +181,9 @@ pub struct TierStack {
     events: IndexEvents,
     demoter: Option<demote::Demoter>,
     promotions: promote::Promotions,
+    /// The peer rung of the promotion ladder, installed once at start when the pipeline
+    /// has a `[peer]` that fetches and a `[directory]` to find holders with.
+    peer: std::sync::OnceLock<promote::PeerRung>,
 }
 
 impl std::fmt::Debug for TierStack {
@@ -221,6 +224,7 @@ impl TierStack {
             lower,
             index: BlockIndex::new(),
             promotions: promote::Promotions::default(),
+            peer: std::sync::OnceLock::new(),
             config,
             metrics,
             events,

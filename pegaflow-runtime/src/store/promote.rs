@@ -9,6 +9,14 @@
 //! found the continuation, then each later tier for whatever is still missing, then gives up
 //! (a miss). It pins the DRAM prefix it was started for and the blocks it promoted until the
 //! re-poll that collects it, so that what it loaded is still there when the answer is Ready.
+//!
+//! With a peer rung installed ([`TierStack::set_peer`]: a `[peer]` that fetches and a
+//! `[directory]`), the ladder starts one step higher: the directory's cover plan for the
+//! continuation names the node with the longest run (this node excluded); unless that node
+//! is suspect, the task asks the [`PeerFetcher`] for that run first, then falls through to
+//! the lower tiers for whatever is still missing, then to a miss, all in the same task and
+//! under the same deadline. A fetched block enters the index like any promoted block (the
+//! directory publisher advertises it once it is resident).
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -21,7 +29,24 @@ use parking_lot::Mutex;
 
 use super::{IndexEventKind, TierStack};
 use crate::block::{BlockKey, BlockShape, SealedBlock};
-use crate::plugin::TierGet;
+use crate::cluster::ClusterDirectory;
+use crate::plugin::{PeerFetcher, TierGet};
+
+/// The peer rung of the promotion ladder: who fetches, and the directory that says from
+/// where.
+pub(super) struct PeerRung {
+    fetcher: Arc<dyn PeerFetcher>,
+    directory: ClusterDirectory,
+}
+
+/// Where a promotion task starts: a run the directory places on another node (fetched
+/// first), then the lower tiers from `first_tier` (with the shapes that tier's lookup
+/// reported, when the query already looked).
+struct Plan {
+    peer: Option<(String, usize)>,
+    first_tier: usize,
+    shapes: Option<Vec<BlockShape>>,
+}
 
 /// The answer to a prefix query of group 0.
 #[derive(Debug)]
@@ -83,6 +108,43 @@ fn digest(hashes: &[Vec<u8>]) -> u64 {
 }
 
 impl TierStack {
+    /// Installs the peer rung (once, at start): queries whose DRAM prefix stops short ask
+    /// `directory` for the continuation and fetch it through `fetcher` before the lower
+    /// tiers. A second call is ignored (and logged).
+    pub fn set_peer(&self, fetcher: Arc<dyn PeerFetcher>, directory: ClusterDirectory) {
+        let kind = fetcher.kind();
+        if self.peer.set(PeerRung { fetcher, directory }).is_err() {
+            tracing::warn!(
+                peer = kind,
+                "a peer rung is already installed; ignoring another"
+            );
+        }
+    }
+
+    /// The node the directory places the continuation `rest` on, with the length of its
+    /// run, unless it is suspect.
+    async fn peer_plan(
+        &self,
+        rung: &PeerRung,
+        namespace: &str,
+        rest: &[Vec<u8>],
+    ) -> Option<(String, usize)> {
+        let plan = rung.directory.query_prefix(namespace, 0, rest).await;
+        let first = plan.into_iter().next()?;
+        let len = (first.prefix_len as usize).min(rest.len());
+        if len == 0 {
+            return None;
+        }
+        if rung.fetcher.is_suspect(&first.node) {
+            self.metrics
+                .tier_promotions
+                .with_label_values(&["peer", "skipped_suspect"])
+                .inc_by(len as u64);
+            return None;
+        }
+        Some((first.node, len))
+    }
+
     /// The prefix of `hashes` (group 0 of `namespace`) for query `req_id`: Ready with the DRAM
     /// prefix when nothing below DRAM continues it (or a promotion for the same query has
     /// ended), Loading while a promotion runs. Never starts I/O for a re-poll. With
@@ -95,7 +157,7 @@ impl TierStack {
         hashes: &[Vec<u8>],
         expect: Option<&BlockShape>,
     ) -> PrefixAnswer {
-        if self.lower.is_empty() {
+        if self.lower.is_empty() && self.peer.get().is_none() {
             // DRAM only: no task can exist, so no task key (a digest and an allocation) either.
             return PrefixAnswer::Ready(self.dram_prefix(namespace, 0, hashes));
         }
@@ -137,6 +199,16 @@ impl TierStack {
                 hash: h.as_slice().into(),
             })
             .collect();
+        if let Some(rung) = self.peer.get() {
+            if let Some((node, len)) = self.peer_plan(rung, namespace, &hashes[n..end]).await {
+                let plan = Plan {
+                    peer: Some((node, len)),
+                    first_tier: 0,
+                    shapes: None,
+                };
+                return self.start_task(key, hits, rest, plan, expect);
+            }
+        }
         let timeout = Duration::from_millis(self.config.lookup_timeout_ms);
         for (ti, tier) in self.lower.iter().enumerate() {
             let mut shapes = match tokio::time::timeout(timeout, tier.lookup(&rest)).await {
@@ -162,54 +234,110 @@ impl TierStack {
             if shapes.is_empty() {
                 continue;
             }
-            let task = Arc::new(Task {
-                deadline: Instant::now() + self.promote_deadline(),
-                done: AtomicBool::new(false),
-                finished: Mutex::new(None),
-                pinned: Mutex::new(hits),
-            });
-            {
-                let mut tasks = self.promotions.tasks.lock();
-                if tasks.contains_key(&key) {
-                    // A concurrent query of the same request started it first.
-                    return PrefixAnswer::Loading;
-                }
-                tasks.insert(key, task.clone());
-                self.metrics.promotion_tasks.set(tasks.len() as i64);
-            }
-            let stack = self.clone();
             let mut rest = rest;
             rest.truncate(shapes.len());
-            let expect = expect.cloned();
-            let reserved = rest.len();
-            self.promotions
-                .inflight_blocks
-                .fetch_add(reserved, Ordering::AcqRel);
-            tokio::spawn(async move {
-                // Returned to the budget however the task ends (a panic included).
-                let _budget = BudgetGuard(&stack.promotions.inflight_blocks, reserved);
-                stack.promote(ti, rest, shapes, &task, expect).await;
-                *task.finished.lock() = Some(Instant::now());
-                task.done.store(true, Ordering::Release);
-            });
-            return PrefixAnswer::Loading;
+            let plan = Plan {
+                peer: None,
+                first_tier: ti,
+                shapes: Some(shapes),
+            };
+            return self.start_task(key, hits, rest, plan, expect);
         }
         PrefixAnswer::Ready(hits)
     }
 
-    /// Reads `keys` (whose shapes tier `first` reported) into DRAM, falling through to later
-    /// tiers for whatever is still missing.
+    /// Registers the task of `key` (pinning `hits`) and spawns it over `rest`; Loading.
+    fn start_task(
+        self: &Arc<Self>,
+        key: TaskKey,
+        hits: Vec<Arc<SealedBlock>>,
+        rest: Vec<BlockKey>,
+        plan: Plan,
+        expect: Option<&BlockShape>,
+    ) -> PrefixAnswer {
+        let task = Arc::new(Task {
+            deadline: Instant::now() + self.promote_deadline(),
+            done: AtomicBool::new(false),
+            finished: Mutex::new(None),
+            pinned: Mutex::new(hits),
+        });
+        {
+            let mut tasks = self.promotions.tasks.lock();
+            if tasks.contains_key(&key) {
+                // A concurrent query of the same request started it first.
+                return PrefixAnswer::Loading;
+            }
+            tasks.insert(key, task.clone());
+            self.metrics.promotion_tasks.set(tasks.len() as i64);
+        }
+        let stack = self.clone();
+        let expect = expect.cloned();
+        let reserved = rest.len();
+        self.promotions
+            .inflight_blocks
+            .fetch_add(reserved, Ordering::AcqRel);
+        tokio::spawn(async move {
+            // Returned to the budget however the task ends (a panic included).
+            let _budget = BudgetGuard(&stack.promotions.inflight_blocks, reserved);
+            stack.promote(plan, rest, &task, expect).await;
+            *task.finished.lock() = Some(Instant::now());
+            task.done.store(true, Ordering::Release);
+        });
+        PrefixAnswer::Loading
+    }
+
+    /// The peer rung: fetches `keys` from `node` and indexes what landed (a prefix).
+    /// Returns how many landed.
+    async fn promote_from_peer(
+        self: &Arc<Self>,
+        node: &str,
+        keys: &[BlockKey],
+        task: &Task,
+        expect: Option<&BlockShape>,
+    ) -> usize {
+        let Some(rung) = self.peer.get() else {
+            return 0;
+        };
+        let got = rung
+            .fetcher
+            .fetch(self, node, keys, expect, task.deadline)
+            .await;
+        let n = got.len().min(keys.len());
+        for (key, block) in keys.iter().zip(got) {
+            // Not written below yet: a later eviction demotes it like a saved block.
+            if self.index.insert_marked(key.clone(), block.clone(), false) {
+                self.emit(IndexEventKind::Promoted, key);
+            }
+            task.pinned.lock().push(block);
+        }
+        let m = &self.metrics.tier_promotions;
+        m.with_label_values(&["peer", "promoted"]).inc_by(n as u64);
+        if n < keys.len() {
+            m.with_label_values(&["peer", "failed"])
+                .inc_by((keys.len() - n) as u64);
+        }
+        n
+    }
+
+    /// Reads `keys` into DRAM along the plan: the peer's run first (when planned), then the
+    /// lower tiers from the plan's first (with the shapes its lookup reported), falling
+    /// through to later tiers for whatever is still missing.
     async fn promote(
-        &self,
-        first: usize,
+        self: &Arc<Self>,
+        plan: Plan,
         keys: Vec<BlockKey>,
-        shapes: Vec<BlockShape>,
         task: &Task,
         expect: Option<BlockShape>,
     ) {
         let mut landed = 0usize;
-        let mut shapes = Some(shapes);
-        for ti in first..self.lower.len() {
+        if let Some((node, len)) = &plan.peer {
+            let len = (*len).min(keys.len());
+            landed = self
+                .promote_from_peer(node, &keys[..len], task, expect.as_ref())
+                .await;
+        }
+        let mut shapes = plan.shapes;
+        for ti in plan.first_tier..self.lower.len() {
             if landed == keys.len() {
                 break;
             }
