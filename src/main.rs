@@ -12,6 +12,8 @@ use pegaflow_tier_ssd as _;
 use pegaflow_transport_cuda as _;
 #[cfg(feature = "shm")]
 use pegaflow_transport_shm as _;
+#[cfg(feature = "tcp")]
+use pegaflow_transport_tcp as _;
 
 fn main() -> std::process::ExitCode {
     pegaflow_runtime::main()
