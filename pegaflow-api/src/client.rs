@@ -98,10 +98,12 @@ impl NativeRegistration {
                     offset_bytes: x.offset_bytes,
                     size_bytes: x.span_bytes(),
                     block_stride_bytes: x.block_stride_bytes,
+                    allocation_index: 0,
                 })
                 .collect(),
             native_alloc_size: alloc_size,
             memory_kind: kind as i32,
+            native_allocations: vec![],
         }
     }
 }

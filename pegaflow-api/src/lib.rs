@@ -13,6 +13,7 @@ pub mod layout;
 pub mod load_state;
 pub mod memfd;
 pub mod native;
+pub mod registration;
 #[cfg(feature = "cuda")]
 pub mod vmm;
 

@@ -24,7 +24,7 @@ use crate::engine::command::{
     RegisterLayer, SaveCommand, SaveLayer,
 };
 use crate::error::{echo, EngineError, EngineResult};
-use crate::plugin::{NativeView, RegistrationPayload};
+use crate::plugin::{NativeAllocationSpec, NativeTensorView, NativeView, RegistrationPayload};
 
 /// Longest `instance_id` of any request, in bytes (vLLM's are UUID-based, about 40 bytes;
 /// native ones at most 128).
@@ -134,9 +134,9 @@ fn check_load_state_name(name: &str) -> EngineResult<()> {
 pub const SERVER_VERSION: &str = pb::PUBLISHED_CLIENT_VERSION;
 
 /// Whether `v` is a client version this server accepts: the published 0.25.x client, or this
-/// project's native client of the same wire revision.
+/// project's native client of wire revision v1 or v2.
 pub fn accepts_client_version(v: &str) -> bool {
-    if v == pb::NATIVE_CLIENT_VERSION {
+    if v == pb::NATIVE_CLIENT_VERSION || v == pb::NATIVE_V2_CLIENT_VERSION {
         return true;
     }
     match v.strip_prefix("0.25.") {
@@ -157,7 +157,7 @@ pub struct RegisterRejected {
 
 /// Decodes a RegisterContextBatch request.
 pub fn register(req: pb::RegisterContextRequest) -> Result<RegisterCommand, RegisterRejected> {
-    let looks_native = req.memory_kind != 0 || !req.native_kv_tensors.is_empty();
+    let looks_native = looks_native(&req);
     let key = (req.instance_id.clone(), req.device_id);
     register_checked(req).map_err(|error| RegisterRejected {
         error,
@@ -173,9 +173,10 @@ fn check_register_header(req: &pb::RegisterContextRequest) -> EngineResult<Trans
             &req.client_version
         };
         return Err(EngineError::precondition(format!(
-            "PegaFlow version mismatch: client={} server={SERVER_VERSION} (this server accepts 0.25.x and {})",
+            "PegaFlow version mismatch: client={} server={SERVER_VERSION} (this server accepts 0.25.x, {} and {})",
             echo(client),
-            pb::NATIVE_CLIENT_VERSION
+            pb::NATIVE_CLIENT_VERSION,
+            pb::NATIVE_V2_CLIENT_VERSION
         )));
     }
     if req.instance_id.is_empty() {
@@ -259,6 +260,12 @@ fn native_payload(req: &pb::RegisterContextRequest) -> EngineResult<Registration
             echo(&req.client_version)
         )));
     }
+    if has_v2_fields(req) {
+        return Err(revision_mismatch(
+            &req.client_version,
+            "it carries native registration v2 fields (native_allocations, allocation_index)",
+        ));
+    }
     if !req.wrapper_bytes.is_empty() {
         return Err(EngineError::invalid(
             "a registration carries either wrapper_bytes or native_kv_tensors, not both",
@@ -310,12 +317,179 @@ fn native_payload(req: &pb::RegisterContextRequest) -> EngineResult<Registration
     })
 }
 
+/// Most allocations one native registration v2 names.
+pub const MAX_NATIVE_ALLOCATIONS: usize = MAX_LAYERS_PER_REQUEST;
+
+/// Whether the request carries any native field (v1 or v2).
+fn looks_native(req: &pb::RegisterContextRequest) -> bool {
+    req.memory_kind != 0 || !req.native_kv_tensors.is_empty() || has_v2_fields(req)
+}
+
+/// Whether the request carries a field only native registration v2 has.
+fn has_v2_fields(req: &pb::RegisterContextRequest) -> bool {
+    !req.native_allocations.is_empty()
+        || req
+            .native_kv_tensors
+            .iter()
+            .any(|t| t.allocation_index != 0)
+}
+
+/// FAILED_PRECONDITION: the request's fields are of another native wire revision than its
+/// `client_version` says; names both revisions.
+fn revision_mismatch(client_version: &str, why: &str) -> EngineError {
+    EngineError::precondition(format!(
+        "native registration revision mismatch: client={} but {why}; server={SERVER_VERSION} \
+         speaks {} (one allocation: native_alloc_size) and {} (native_allocations)",
+        echo(if client_version.is_empty() {
+            "<missing>"
+        } else {
+            client_version
+        }),
+        pb::NATIVE_CLIENT_VERSION,
+        pb::NATIVE_V2_CLIENT_VERSION
+    ))
+}
+
+/// The payload of a native registration v2 (`0.25.1+native-v2`): every allocation and view
+/// checked against the stated sizes, all layers in one storage group.
+fn native_v2_payload(req: &pb::RegisterContextRequest) -> EngineResult<RegistrationPayload> {
+    let n = req.layer_names.len();
+    if req.native_allocations.is_empty() {
+        return Err(revision_mismatch(
+            &req.client_version,
+            "the request has no native_allocations (field 103): a one-allocation registration \
+             is revision v1",
+        ));
+    }
+    if !req.wrapper_bytes.is_empty() {
+        return Err(EngineError::invalid(
+            "a registration carries either wrapper_bytes or native tensors, not both",
+        ));
+    }
+    if req.native_alloc_size != 0 {
+        return Err(EngineError::invalid(
+            "a native v2 registration states sizes per allocation; native_alloc_size (field 101) must be 0",
+        ));
+    }
+    if req.memory_kind <= 0 {
+        return Err(EngineError::invalid(format!(
+            "native registration needs a memory_kind (field 102) > 0, got {}",
+            req.memory_kind
+        )));
+    }
+    check_count(
+        "native_allocations",
+        req.native_allocations.len(),
+        MAX_NATIVE_ALLOCATIONS,
+    )?;
+    if req.native_kv_tensors.len() != n {
+        return Err(EngineError::invalid(format!(
+            "native_kv_tensors has {} entries but layer_names has {n}",
+            req.native_kv_tensors.len()
+        )));
+    }
+    if !is_side_channel_safe_id(&req.instance_id) {
+        return Err(EngineError::invalid(format!(
+            "native instance_id {:?} must be 1-128 characters of [A-Za-z0-9_-]",
+            echo(&req.instance_id)
+        )));
+    }
+    if req.layer_group_ids.iter().any(|&g| g != 0) {
+        return Err(EngineError::invalid(
+            "a native v2 registration is one storage group (its arenas share block ids): layer_group_ids must be 0",
+        ));
+    }
+    let ipc = req.memory_kind == pb::MemoryKind::CudaIpc as i32;
+    let mut allocations = Vec::with_capacity(req.native_allocations.len());
+    let mut handles = std::collections::HashMap::new();
+    for (i, a) in req.native_allocations.iter().enumerate() {
+        if a.size_bytes == 0 {
+            return Err(EngineError::invalid(format!(
+                "native_allocations[{i}].size_bytes must be > 0"
+            )));
+        }
+        let ipc_handle = if ipc {
+            let h: [u8; pb::CUDA_IPC_HANDLE_BYTES] =
+                a.cuda_ipc_handle.as_slice().try_into().map_err(|_| {
+                    EngineError::invalid(format!(
+                        "native_allocations[{i}].cuda_ipc_handle is {} bytes; a CUDA IPC handle is {}",
+                        a.cuda_ipc_handle.len(),
+                        pb::CUDA_IPC_HANDLE_BYTES
+                    ))
+                })?;
+            if let Some(j) = handles.insert(h, i) {
+                return Err(EngineError::invalid(format!(
+                    "native_allocations[{j}] and [{i}] carry the same CUDA IPC handle (name each allocation once)"
+                )));
+            }
+            Some(h)
+        } else {
+            if !a.cuda_ipc_handle.is_empty() {
+                return Err(EngineError::invalid(format!(
+                    "native_allocations[{i}] carries a cuda_ipc_handle but memory_kind {} is not CUDA_IPC",
+                    req.memory_kind
+                )));
+            }
+            None
+        };
+        allocations.push(NativeAllocationSpec {
+            size_bytes: a.size_bytes,
+            ipc_handle,
+        });
+    }
+    let mut used = vec![false; allocations.len()];
+    let mut views = Vec::with_capacity(n);
+    for (i, t) in req.native_kv_tensors.iter().enumerate() {
+        let ai = t.allocation_index as usize;
+        let Some(a) = allocations.get(ai) else {
+            return Err(EngineError::invalid(format!(
+                "native_kv_tensors[{i}].allocation_index {ai} is not one of the {} allocations",
+                allocations.len()
+            )));
+        };
+        used[ai] = true;
+        if t.size_bytes == 0 || t.block_stride_bytes == 0 {
+            return Err(EngineError::invalid(format!(
+                "native_kv_tensors[{i}] needs size_bytes > 0 and block_stride_bytes > 0"
+            )));
+        }
+        if t.offset_bytes
+            .checked_add(t.size_bytes)
+            .is_none_or(|end| end > a.size_bytes)
+        {
+            return Err(EngineError::invalid(format!(
+                "native_kv_tensors[{i}]: view at offset {} of {} bytes exceeds allocation {ai} of {} bytes",
+                t.offset_bytes, t.size_bytes, a.size_bytes
+            )));
+        }
+        views.push(NativeTensorView {
+            allocation: ai,
+            view: NativeView {
+                offset_bytes: t.offset_bytes,
+                size_bytes: t.size_bytes,
+                block_stride_bytes: t.block_stride_bytes,
+            },
+        });
+    }
+    if let Some(i) = used.iter().position(|u| !u) {
+        return Err(EngineError::invalid(format!(
+            "native_allocations[{i}] is not used by any tensor"
+        )));
+    }
+    Ok(RegistrationPayload::NativeV2 {
+        memory_kind: req.memory_kind,
+        allocations,
+        views,
+    })
+}
+
 fn register_checked(mut req: pb::RegisterContextRequest) -> EngineResult<RegisterCommand> {
     let transfer_mode = check_register_header(&req)?;
     check_register_layers(&req)?;
     let n = req.layer_names.len();
-    let native = req.memory_kind != 0 || !req.native_kv_tensors.is_empty();
-    let payload = if native {
+    let payload = if req.client_version == pb::NATIVE_V2_CLIENT_VERSION {
+        native_v2_payload(&req)?
+    } else if looks_native(&req) {
         native_payload(&req)?
     } else {
         if req.wrapper_bytes.len() != n {
@@ -339,6 +513,9 @@ fn register_checked(mut req: pb::RegisterContextRequest) -> EngineResult<Registe
     let strides: Option<Vec<u64>> = match &payload {
         RegistrationPayload::SideChannel { views, .. } => {
             Some(views.iter().map(|v| v.block_stride_bytes).collect())
+        }
+        RegistrationPayload::NativeV2 { views, .. } => {
+            Some(views.iter().map(|v| v.view.block_stride_bytes).collect())
         }
         RegistrationPayload::LayerBlobs(_) => None,
     };

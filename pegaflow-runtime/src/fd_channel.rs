@@ -4,9 +4,17 @@
 //!
 //! Protocol: one connection carries one `sendmsg` whose payload is the ASCII instance id, one
 //! NUL, then the device id in decimal (trailing NULs are ignored), with exactly one descriptor
-//! as `SCM_RIGHTS`. The server never answers; a rejected message is logged, counted in
-//! [`FdChannelStats`] and its descriptors are closed. A registration later collects the
-//! descriptor with [`FdChannel::take`].
+//! as `SCM_RIGHTS`. Native registration v2 (several allocations per registration) appends one
+//! more NUL and the allocation's index in decimal: `instance_id \0 device_id \0 index`, so
+//! every descriptor of a registration has its own key, none equal to a v1 key or to another
+//! registration's (instance ids are fresh per registration attempt). A v1 message is never
+//! answered. A v2 message is acknowledged: after filing (or refusing) its descriptor the
+//! server writes one byte back ([`ACK_FILED`], [`ACK_DUPLICATE`], [`ACK_CAPACITY`]) before it
+//! closes the connection, so a v2 client learns at once whether its descriptor is waiting and
+//! bounds its own connections; a connection closed without that byte (over the connection
+//! cap, malformed, or a server without v2) filed nothing. A rejected message is logged,
+//! counted in [`FdChannelStats`] and its descriptors are closed. A registration later
+//! collects the descriptor with [`FdChannel::take`] (v2: [`FdChannel::take_allocation`]).
 //!
 //! Bounds (DESIGN.md §6.4): at most [`FdChannelLimits::max_connections`] connections are
 //! served at once (others are closed on arrival), a connection that stays silent for
@@ -47,6 +55,14 @@ pub const MAX_KEY_PAYLOAD: usize = 256;
 /// `MAX_RECEIVED_FDS`). All of them are taken and closed when a message carries more than one;
 /// beyond this the kernel truncates the control data (`MSG_CTRUNC`) and the message is rejected.
 pub const MAX_RECEIVED_FDS: usize = 16;
+
+/// Acknowledgement of a v2 message: its descriptor is filed and waits to be taken.
+pub const ACK_FILED: u8 = 0;
+/// Acknowledgement of a v2 message: a descriptor is already pending under its key; the new
+/// one was closed.
+pub const ACK_DUPLICATE: u8 = 1;
+/// Acknowledgement of a v2 message: `max_pending` descriptors are pending; it was closed.
+pub const ACK_CAPACITY: u8 = 2;
 
 /// The listen backlog of the socket.
 const LISTEN_BACKLOG: i32 = 128;
@@ -153,8 +169,9 @@ fn bump(c: &AtomicU64) {
     c.fetch_add(1, Ordering::Relaxed);
 }
 
-/// The key a descriptor is filed under.
-type Key = (String, i32);
+/// The key a descriptor is filed under: (instance id, device id, allocation index of a v2
+/// message; `None` for a v1 message).
+type Key = (String, i32, Option<u32>);
 
 #[derive(Debug)]
 struct PendingFd {
@@ -201,7 +218,7 @@ impl Shared {
     }
 
     fn log_expired(&self, expired: Vec<(Key, PendingFd)>) {
-        for ((instance_id, device_id), _) in &expired {
+        for ((instance_id, device_id, _), _) in &expired {
             warn!(
                 instance_id = %instance_id,
                 device_id,
@@ -240,8 +257,9 @@ impl Shared {
         })
     }
 
-    /// Files a well-formed message's descriptor, or rejects it (closing it).
-    fn insert(&self, key: Key, fd: OwnedFd) {
+    /// Files a well-formed message's descriptor, or rejects it (closing it); returns the
+    /// acknowledgement byte of the outcome.
+    fn insert(&self, key: Key, fd: OwnedFd) -> u8 {
         let now = Instant::now();
         let (expired, outcome) = {
             let mut map = self.pending.lock();
@@ -260,12 +278,13 @@ impl Shared {
             (expired, outcome)
         };
         self.log_expired(expired);
-        let (instance_id, device_id) = key;
+        let (instance_id, device_id, index) = key;
         match outcome {
             Ok(None) => {
                 bump(&self.counters.accepted);
-                debug!(instance_id = %instance_id, device_id, "fd side channel: descriptor received");
+                debug!(instance_id = %instance_id, device_id, ?index, "fd side channel: descriptor received");
                 self.arrived.notify_waiters();
+                ACK_FILED
             }
             Ok(Some(duplicate)) => {
                 drop(duplicate);
@@ -275,6 +294,7 @@ impl Shared {
                     device_id,
                     "fd side channel: a descriptor is already pending for this key; closing the new one"
                 );
+                ACK_DUPLICATE
             }
             Err(surplus) => {
                 drop(surplus);
@@ -285,6 +305,7 @@ impl Shared {
                     max_pending = self.limits.max_pending,
                     "fd side channel: too many descriptors pending; closing the new one"
                 );
+                ACK_CAPACITY
             }
         }
     }
@@ -411,7 +432,27 @@ impl FdChannel {
         let deadline = start
             .checked_add(timeout)
             .unwrap_or_else(|| start + Duration::from_secs(365 * 24 * 3600));
-        let key: Key = (instance_id.to_owned(), device_id);
+        self.take_key((instance_id.to_owned(), device_id, None), deadline)
+            .await
+    }
+
+    /// Takes the descriptor of allocation `index` of a native registration v2 of
+    /// `(instance_id, device_id)` (sent with the payload `instance_id \0 device_id \0 index`),
+    /// waiting until `deadline`. `None` (with a warning) when none arrived in time; expired
+    /// descriptors are never returned.
+    pub async fn take_allocation(
+        &self,
+        instance_id: &str,
+        device_id: i32,
+        index: u32,
+        deadline: tokio::time::Instant,
+    ) -> Option<OwnedFd> {
+        self.take_key((instance_id.to_owned(), device_id, Some(index)), deadline)
+            .await
+    }
+
+    async fn take_key(&self, key: Key, deadline: tokio::time::Instant) -> Option<OwnedFd> {
+        let (instance_id, device_id) = (key.0.as_str(), key.1);
         loop {
             // Register for the wake-up before looking, so an arrival between the look and
             // the wait is not missed.
@@ -428,7 +469,7 @@ impl FdChannel {
                 warn!(
                     instance_id = %instance_id,
                     device_id,
-                    timeout_secs = timeout.as_secs_f64(),
+                    allocation_index = ?key.2,
                     path = %self.path.display(),
                     "fd side channel: no descriptor arrived for this key in time"
                 );
@@ -437,30 +478,38 @@ impl FdChannel {
         }
     }
 
-    /// Closes the descriptor pending for `(instance_id, device_id)`, if any, without waiting;
-    /// returns whether there was one. A registration that fails validation calls this so the
-    /// client can resend under the same key at once (the first pending descriptor would
-    /// otherwise block a resend until it expires).
+    /// Closes every descriptor pending for `(instance_id, device_id)` (the v1 one and those of
+    /// every allocation index of a v2 registration), without waiting; returns whether there
+    /// was one. A registration that fails calls this so that no descriptor of it outlives
+    /// the failure and the client can resend under the same key at once (the first pending
+    /// descriptor would otherwise block a resend until it expires).
     pub fn discard(&self, instance_id: &str, device_id: i32) -> bool {
-        let key: Key = (instance_id.to_owned(), device_id);
-        let removed = {
+        let removed: Vec<PendingFd> = {
             let mut map = self.shared.pending.lock();
-            let removed = map.remove(&key);
+            let keys: Vec<Key> = map
+                .keys()
+                .filter(|k| k.0 == instance_id && k.1 == device_id)
+                .cloned()
+                .collect();
+            let removed = keys.iter().filter_map(|k| map.remove(k)).collect();
             self.shared
                 .counters
                 .pending
                 .store(map.len() as u64, Ordering::Relaxed);
             removed
         };
-        match removed {
-            Some(p) => {
-                drop(p.fd);
-                bump(&self.shared.counters.discarded);
-                debug!(instance_id = %instance_id, device_id, "fd side channel: pending descriptor discarded");
-                true
-            }
-            None => false,
+        let n = removed.len();
+        // Dropping closes the descriptors, outside the lock.
+        drop(removed);
+        if n == 0 {
+            return false;
         }
+        self.shared
+            .counters
+            .discarded
+            .fetch_add(n as u64, Ordering::Relaxed);
+        debug!(instance_id = %instance_id, device_id, count = n, "fd side channel: pending descriptors discarded");
+        true
     }
 
     /// Descriptors received and not yet taken.
@@ -762,7 +811,6 @@ async fn handle_connection(
         _ = stopped(&mut shutdown) => return,
         r = tokio::time::timeout(receive_timeout, receive_message(&stream)) => r,
     };
-    drop(stream);
     let Some(shared) = shared.upgrade() else {
         return;
     };
@@ -783,7 +831,15 @@ async fn handle_connection(
             debug!("fd side channel: sender closed the connection without a message");
         }
         Ok(Ok(msg)) => match msg.into_key() {
-            Ok((key, fd)) => shared.insert(key, fd),
+            Ok((key, fd)) => {
+                let v2 = key.2.is_some();
+                let ack = shared.insert(key, fd);
+                if v2 {
+                    // The socket's send buffer is empty: one byte never blocks. A sender that
+                    // left already just misses it.
+                    let _ = stream.try_write(&[ack]);
+                }
+            }
             Err(reason) => {
                 bump(&shared.counters.rejected_malformed);
                 warn!(%reason, "fd side channel: rejected a message; its descriptors were closed");
@@ -816,6 +872,9 @@ pub enum MalformedMessage {
     /// The device id is not a decimal i32.
     #[error("device id {0:?} is not a decimal 32-bit integer")]
     BadDeviceId(String),
+    /// The allocation index of a v2 message is not a decimal u32.
+    #[error("allocation index {0:?} is not a decimal 32-bit unsigned integer")]
+    BadAllocationIndex(String),
 }
 
 /// One `recvmsg` worth of data: everything is owned, so dropping it closes every descriptor.
@@ -855,7 +914,8 @@ impl RawMessage {
     }
 }
 
-/// Parses `instance_id \0 device_id [\0...]`.
+/// Parses `instance_id \0 device_id [\0...]` (v1) or `instance_id \0 device_id \0 index
+/// [\0...]` (native registration v2).
 fn parse_key(payload: &[u8]) -> Result<Key, MalformedMessage> {
     let nul = payload
         .iter()
@@ -871,7 +931,11 @@ fn parse_key(payload: &[u8]) -> Result<Key, MalformedMessage> {
         }
     };
     let end = rest.iter().rposition(|&b| b != 0).map_or(0, |i| i + 1);
-    let device = &rest[..end];
+    let rest = &rest[..end];
+    let (device, index) = match rest.iter().position(|&b| b == 0) {
+        Some(i) => (&rest[..i], Some(&rest[i + 1..])),
+        None => (rest, None),
+    };
     let device_id = std::str::from_utf8(device)
         .ok()
         .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'-'))
@@ -879,7 +943,19 @@ fn parse_key(payload: &[u8]) -> Result<Key, MalformedMessage> {
         .ok_or_else(|| {
             MalformedMessage::BadDeviceId(String::from_utf8_lossy(device).into_owned())
         })?;
-    Ok((instance_id, device_id))
+    let index = match index {
+        None => None,
+        Some(ix) => Some(
+            std::str::from_utf8(ix)
+                .ok()
+                .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
+                .and_then(|s| s.parse::<u32>().ok())
+                .ok_or_else(|| {
+                    MalformedMessage::BadAllocationIndex(String::from_utf8_lossy(ix).into_owned())
+                })?,
+        ),
+    };
+    Ok((instance_id, device_id, index))
 }
 
 /// Waits for the connection to become readable and performs the one `recvmsg`.
@@ -1305,6 +1381,48 @@ mod tests {
     }
 
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn fd_channel_v2_allocation_keys_are_distinct_and_discarded_together() {
+        let dir = tempfile::tempdir().unwrap();
+        let path = sock_path(&dir);
+        let ch = FdChannel::bind(&path, limits()).await.unwrap();
+        let pipes: Vec<(OwnedFd, OwnedFd)> = (0..3).map(|_| pipe()).collect();
+        // Allocations 0..2 of one v2 registration, and a v1 descriptor under the same
+        // (instance, device): four keys, none a duplicate of another.
+        for (i, (_, w)) in pipes.iter().enumerate() {
+            pegaflow_api::fd::send_allocation_fd(&path, "v2", 3, i as u32, w.as_fd()).unwrap();
+        }
+        let (r1, w1) = pipe();
+        send(&path, "v2", 3, w1.as_fd());
+        drop(w1);
+        wait_stats(&ch, "accepted", |s| s.accepted == 4).await;
+        assert_eq!(ch.stats().rejected_duplicate, 0);
+        let deadline = tokio::time::Instant::now() + Duration::from_secs(2);
+        let got = ch.take_allocation("v2", 3, 1, deadline).await.unwrap();
+        assert!(
+            same_file(&got, &pipes[1].1),
+            "index 1 gets allocation 1's fd"
+        );
+        // Another registration's index never matches: nothing under ("v2", 4, 0).
+        let soon = tokio::time::Instant::now() + Duration::from_millis(50);
+        assert!(ch.take_allocation("v2", 4, 0, soon).await.is_none());
+        // A second descriptor for a pending key is refused, and the sender is told.
+        let (_rd, wd) = pipe();
+        let e = pegaflow_api::fd::send_allocation_fd(&path, "v2", 3, 0, wd.as_fd()).unwrap_err();
+        assert!(
+            matches!(&e, pegaflow_api::ApiError::Rejected { message, .. } if message.contains("already pending")),
+            "{e}"
+        );
+        // Discard closes every remaining descriptor of (v2, 3): allocations 0 and 2 and v1.
+        let pipes: Vec<OwnedFd> = pipes.into_iter().map(|(r, _)| r).collect();
+        assert!(ch.discard("v2", 3));
+        assert_eq!(ch.pending(), 0);
+        assert_eq!(ch.stats().discarded, 3);
+        assert_eventually_closed(&r1, "v1 key").await;
+        assert_eventually_closed(&pipes[0], "allocation 0").await;
+        assert_eventually_closed(&pipes[2], "allocation 2").await;
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn fd_channel_concurrent_takers_get_their_own_fds() {
         let dir = tempfile::tempdir().unwrap();
         let path = sock_path(&dir);
@@ -1512,11 +1630,32 @@ mod tests {
 
     #[test]
     fn fd_channel_parse_key() {
-        assert_eq!(parse_key(b"a\x001"), Ok(("a".to_owned(), 1)));
+        assert_eq!(parse_key(b"a\x001"), Ok(("a".to_owned(), 1, None)));
         assert_eq!(
             parse_key(b"a-b_C9\x00-7\x00\x00"),
-            Ok(("a-b_C9".to_owned(), -7))
+            Ok(("a-b_C9".to_owned(), -7, None))
         );
+        // Native registration v2: a third field, the allocation index.
+        assert_eq!(
+            parse_key(b"a\x001\x0098"),
+            Ok(("a".to_owned(), 1, Some(98)))
+        );
+        assert_eq!(
+            parse_key(b"a\x001\x000\x00"),
+            Ok(("a".to_owned(), 1, Some(0)))
+        );
+        for bad in [
+            &b"a\x001\x00-1"[..],
+            b"a\x001\x00x",
+            b"a\x001\x002\x003",
+            b"a\x001\x00\x002",
+            b"a\x001\x004294967296",
+        ] {
+            assert!(
+                matches!(parse_key(bad), Err(MalformedMessage::BadAllocationIndex(_))),
+                "{bad:?}"
+            );
+        }
         assert_eq!(parse_key(b"a1"), Err(MalformedMessage::NoSeparator));
         assert!(matches!(
             parse_key(b"a\x00x"),
@@ -1524,10 +1663,6 @@ mod tests {
         ));
         assert!(matches!(
             parse_key(b"a\x00+1"),
-            Err(MalformedMessage::BadDeviceId(_))
-        ));
-        assert!(matches!(
-            parse_key(b"a\x001\x002"),
             Err(MalformedMessage::BadDeviceId(_))
         ));
         assert!(matches!(

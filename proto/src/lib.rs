@@ -30,5 +30,19 @@ pub const NATIVE_WIRE_REVISION: &str = "native-v1";
 /// speaks plus the native wire revision, e.g. `0.25.1+native-v1`.
 pub const NATIVE_CLIENT_VERSION: &str = "0.25.1+native-v1";
 
+/// The revision of this project's native registration wire v2: several allocations per
+/// registration (`native_allocations`, field 103), each tensor naming its allocation
+/// (`NativeKvTensor.allocation_index`, field 100), CUDA IPC handles as a third memory kind,
+/// and side-channel messages keyed by allocation index. See `docs/NATIVE.md`.
+pub const NATIVE_V2_WIRE_REVISION: &str = "native-v2";
+
+/// The `client_version` of a native registration v2: `0.25.1+native-v2`. A server refuses a
+/// v2 request under any other version (and a v1 request under this one) with
+/// FAILED_PRECONDITION before it imports anything.
+pub const NATIVE_V2_CLIENT_VERSION: &str = "0.25.1+native-v2";
+
+/// Bytes of a CUDA IPC memory handle (`CUipcMemHandle`, `NativeAllocation.cuda_ipc_handle`).
+pub const CUDA_IPC_HANDLE_BYTES: usize = 64;
+
 /// Largest gRPC message accepted or sent, in bytes (64 MiB, as the published client).
 pub const MAX_MESSAGE_BYTES: usize = 64 * 1024 * 1024;

@@ -200,6 +200,7 @@ fn register_one(
         layer_group_ids: vec![],
         native_kv_tensors: vec![],
         native_alloc_size: 0,
+        native_allocations: vec![],
         memory_kind: pb::MemoryKind::Unspecified as i32,
     }
 }
@@ -347,6 +348,7 @@ fn expected(name: &str) -> Option<Req> {
             layer_group_ids: vec![0, 1, 7],
             native_kv_tensors: vec![],
             native_alloc_size: 0,
+            native_allocations: vec![],
             memory_kind: 0,
         }),
         "register_min_direct_nogroups" => {
@@ -387,6 +389,7 @@ fn expected(name: &str) -> Option<Req> {
             layer_group_ids: vec![u32::MAX],
             native_kv_tensors: vec![],
             native_alloc_size: 0,
+            native_allocations: vec![],
             memory_kind: 0,
         }),
         "save" => Req::Save(pb::SaveRequest {

@@ -48,7 +48,7 @@ pub struct RegisterCommand {
 impl RegisterCommand {
     /// Whether the memory arrives on the fd side channel (a native registration).
     pub fn native(&self) -> bool {
-        matches!(self.payload, RegistrationPayload::SideChannel { .. })
+        self.payload.is_native()
     }
 }
 

@@ -56,6 +56,10 @@ pub struct Worker {
     pub traits: RegistrarTraits,
     /// Where the worker's memory lives (all its layers share one space).
     pub location: MemorySpace,
+    /// Native registration v2: the layers are arenas indexed by one block id, so every Save
+    /// and every Load of this worker names all of them with the same blocks (an MLA page is
+    /// never stored or restored without its sidecars).
+    pub whole_blocks: bool,
 }
 
 impl std::fmt::Debug for Worker {

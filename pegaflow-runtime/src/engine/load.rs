@@ -272,6 +272,15 @@ fn resolve_groups<'a>(
             storage: storage.unwrap_or(0),
         });
     }
+    if w.whole_blocks && seen.len() != w.layers.len() {
+        // Native v2 arenas share one block id: restoring some without the others would be
+        // silent corruption.
+        return Err(EngineError::invalid(format!(
+            "a native v2 load must name all {} layers of the registration, got {}",
+            w.layers.len(),
+            seen.len()
+        )));
+    }
     Ok(groups)
 }
 

@@ -41,7 +41,7 @@ impl Engine {
         // channel alone: the pending descriptor may belong to the registration in progress.
         let inst = self.registry.reserve(&cmd, cmd.native())?;
         let payload = std::mem::replace(&mut cmd.payload, RegistrationPayload::LayerBlobs(vec![]));
-        let native = matches!(payload, RegistrationPayload::SideChannel { .. });
+        let native = payload.is_native();
         let result = self.register_worker(&inst, &cmd, payload, registrar).await;
         if let Err(e) = &result {
             if native {
@@ -133,8 +133,9 @@ impl Engine {
         payload: RegistrationPayload,
         registrar: Arc<dyn Registrar>,
     ) -> EngineResult<()> {
+        let whole_blocks = matches!(payload, RegistrationPayload::NativeV2 { .. });
         let regions = self.import(req, payload, &registrar).await?;
-        match self.build_worker(registrar.traits(), req, regions) {
+        match self.build_worker(registrar.traits(), req, regions, whole_blocks) {
             Ok(worker) => self.registry.commit(inst, worker).await,
             Err((e, regions)) => {
                 self.registry.reaper().release(regions).await;
@@ -182,6 +183,7 @@ impl Engine {
         traits: RegistrarTraits,
         req: &RegisterCommand,
         regions: Vec<LayerRegion>,
+        whole_blocks: bool,
     ) -> Result<Worker, (EngineError, Vec<LayerRegion>)> {
         let location = regions[0].memory.location();
         if regions.iter().any(|r| r.memory.location() != location) {
@@ -242,6 +244,7 @@ impl Engine {
             transport,
             traits,
             location,
+            whole_blocks,
         })
     }
 }

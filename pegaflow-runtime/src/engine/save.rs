@@ -394,8 +394,9 @@ fn check_save_layers<'a>(
         }
         layers.push((layer, slot, page_off));
     }
-    if topo.page_first {
-        // Every layer of the worker's shard, with identical ids and hashes.
+    if topo.page_first || w.whole_blocks {
+        // Every layer of the worker's shard (or, native v2, every arena), with identical ids
+        // and hashes.
         let first = saves[0];
         let complete = saves.len() == w.layers.len()
             && saves
@@ -403,8 +404,18 @@ fn check_save_layers<'a>(
                 .all(|s| s.block_ids == first.block_ids && s.hashes == first.hashes);
         if !complete {
             return Err(EngineError::invalid(format!(
-                "page-first save must carry all {} layers of the shard with the same block ids and hashes",
-                w.layers.len()
+                "{} save must carry all {} layers of the {} with the same block ids and hashes",
+                if topo.page_first {
+                    "page-first"
+                } else {
+                    "a native v2"
+                },
+                w.layers.len(),
+                if topo.page_first {
+                    "shard"
+                } else {
+                    "registration"
+                }
             )));
         }
     }

@@ -32,8 +32,9 @@ pub use peer::{
 };
 pub use pool::{HostPool, HostRegion};
 pub use registrar::{
-    ImportRequest, LayerRegion, NativeImport, NativeView, PayloadCarrier, PayloadScheme, Registrar,
-    RegistrarError, RegistrarTraits, Registration, RegistrationPayload,
+    ImportRequest, LayerRegion, NativeAllocationSpec, NativeImport, NativeImportV2,
+    NativeTensorView, NativeView, PayloadCarrier, PayloadScheme, Registrar, RegistrarError,
+    RegistrarTraits, Registration, RegistrationPayload,
 };
 pub use tier::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
 pub use transport::{CopyBatch, CopyOp, Direction, MemorySpace, Transport, TransportError};

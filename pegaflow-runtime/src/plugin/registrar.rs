@@ -109,6 +109,26 @@ pub struct NativeView {
     pub block_stride_bytes: u64,
 }
 
+/// One allocation of a native registration v2 (`NativeAllocation` on the wire).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct NativeAllocationSpec {
+    /// The allocation's size in bytes as the client states it (> 0): what an fd kind maps,
+    /// what a CUDA IPC handle's allocation must measure.
+    pub size_bytes: u64,
+    /// The raw `CUipcMemHandle` of a CUDA IPC allocation; `None` for fd kinds.
+    pub ipc_handle: Option<[u8; pegaflow_proto::CUDA_IPC_HANDLE_BYTES]>,
+}
+
+/// One layer's view of a native registration v2: the allocation it lives in and its view
+/// there.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct NativeTensorView {
+    /// Index into the registration's allocations.
+    pub allocation: usize,
+    /// The view, relative to that allocation's start.
+    pub view: NativeView,
+}
+
 /// What a registrar is asked to import.
 #[derive(Debug, Clone)]
 pub enum RegistrationPayload {
@@ -124,6 +144,18 @@ pub enum RegistrationPayload {
         /// Per-layer views.
         views: Vec<NativeView>,
     },
+    /// Native registration v2 (`0.25.1+native-v2`): several allocations of one memory kind,
+    /// one view per layer naming its allocation. Carried like
+    /// [`RegistrationPayload::SideChannel`] of the same `memory_kind` (its registrar imports
+    /// both), fd kinds with one side-channel message per allocation.
+    NativeV2 {
+        /// The `memory_kind` wire value of every allocation.
+        memory_kind: i32,
+        /// The allocations, in wire order (index = side-channel allocation index).
+        allocations: Vec<NativeAllocationSpec>,
+        /// Per-layer views.
+        views: Vec<NativeTensorView>,
+    },
 }
 
 impl RegistrationPayload {
@@ -131,10 +163,16 @@ impl RegistrationPayload {
     pub fn carrier(&self) -> PayloadCarrier {
         match self {
             RegistrationPayload::LayerBlobs(_) => PayloadCarrier::LayerBlobs,
-            RegistrationPayload::SideChannel { memory_kind, .. } => PayloadCarrier::SideChannel {
+            RegistrationPayload::SideChannel { memory_kind, .. }
+            | RegistrationPayload::NativeV2 { memory_kind, .. } => PayloadCarrier::SideChannel {
                 memory_kind: *memory_kind,
             },
         }
+    }
+
+    /// Whether this is a native registration (v1 or v2), i.e. not the Python path.
+    pub fn is_native(&self) -> bool {
+        !matches!(self, RegistrationPayload::LayerBlobs(_))
     }
 
     /// A short description for messages.
@@ -144,6 +182,14 @@ impl RegistrationPayload {
             RegistrationPayload::SideChannel { memory_kind, .. } => {
                 format!("side-channel memory_kind {memory_kind}")
             }
+            RegistrationPayload::NativeV2 {
+                memory_kind,
+                allocations,
+                ..
+            } => format!(
+                "native v2 memory_kind {memory_kind} ({} allocations)",
+                allocations.len()
+            ),
         }
     }
 }
@@ -238,7 +284,7 @@ impl NativeImport {
                 ));
                 // A side-channel payload of another memory kind may have sent a descriptor
                 // under this key: close it, as every refusal after the channel check does.
-                if matches!(other, RegistrationPayload::SideChannel { .. })
+                if other.is_native()
                     && pegaflow_api::is_side_channel_safe_id(&instance_id)
                     && channel.discard(&instance_id, device_id)
                 {
@@ -337,6 +383,241 @@ impl NativeImport {
                 memory: Arc::clone(&memory),
                 offset: v.offset_bytes,
                 len: v.size_bytes,
+            })
+            .collect()
+    }
+}
+
+/// A native registration v2 (several allocations, one view per layer naming its allocation),
+/// checked as far as it can be without its descriptors or handles. Registrars of v2 payloads
+/// start from here.
+///
+/// Every refusal and every failure after the check closes the descriptors of the
+/// registration that are still pending on the side channel ([`NativeImportV2::refuse`]), so
+/// a failed registration leaves no descriptor behind and the client may resend at once.
+#[derive(Debug)]
+pub struct NativeImportV2 {
+    /// The side channel (fd kinds; `None` for CUDA IPC handles).
+    pub channel: Option<Arc<FdChannel>>,
+    /// The registering instance (side-channel safe).
+    pub instance_id: String,
+    /// The worker's device id.
+    pub device_id: i32,
+    /// The allocations, in wire order: each > 0 bytes, each used by at least one view.
+    pub allocations: Vec<NativeAllocationSpec>,
+    /// One view per layer: non-empty, non-zero stride, inside its allocation's stated size.
+    pub views: Vec<NativeTensorView>,
+}
+
+impl NativeImportV2 {
+    /// Checks `req` for a registrar of `memory_kind` (named `registrar` in messages): with
+    /// `fds`, the side channel is configured (else Precondition) and no allocation carries an
+    /// IPC handle; without, every allocation carries one; the instance id is side-channel
+    /// safe; every allocation is non-empty and used; every view lies inside its allocation
+    /// (else Invalid). On refusal after the channel check every pending descriptor of the
+    /// registration is closed.
+    pub fn check(
+        registrar: &str,
+        memory_kind: i32,
+        fds: bool,
+        channel: Option<&Arc<FdChannel>>,
+        req: ImportRequest,
+    ) -> Result<Self, RegistrarError> {
+        if fds && channel.is_none() {
+            return Err(RegistrarError::Precondition(format!(
+                "{registrar} registration needs the fd side channel: start the server with --fd-socket-path"
+            )));
+        }
+        let ImportRequest {
+            instance_id,
+            device_id,
+            payload,
+        } = req;
+        let RegistrationPayload::NativeV2 {
+            memory_kind: k,
+            allocations,
+            views,
+        } = payload
+        else {
+            return Err(RegistrarError::Invalid(format!(
+                "the {registrar} registrar (native v2) cannot import a {} payload",
+                payload.describe()
+            )));
+        };
+        let import = Self {
+            channel: if fds { channel.cloned() } else { None },
+            instance_id,
+            device_id,
+            allocations,
+            views,
+        };
+        if !pegaflow_api::is_side_channel_safe_id(&import.instance_id) {
+            return Err(RegistrarError::Invalid(format!(
+                "instance id {:?} must be 1-128 characters of [A-Za-z0-9_-] for a native registration",
+                import.instance_id
+            )));
+        }
+        let checked = if k != memory_kind {
+            Err(RegistrarError::Invalid(format!(
+                "the {registrar} registrar imports memory_kind {memory_kind}, not {k}"
+            )))
+        } else {
+            import.check_views(registrar, fds)
+        };
+        match checked {
+            Ok(()) => Ok(import),
+            Err(e) => Err(import.refuse(e)),
+        }
+    }
+
+    fn check_views(&self, registrar: &str, fds: bool) -> Result<(), RegistrarError> {
+        if self.allocations.is_empty() {
+            return Err(RegistrarError::Invalid(format!(
+                "{registrar} registration has no allocations"
+            )));
+        }
+        if self.views.is_empty() {
+            return Err(RegistrarError::Invalid(format!(
+                "{registrar} registration has no layer views"
+            )));
+        }
+        for (i, a) in self.allocations.iter().enumerate() {
+            if a.size_bytes == 0 {
+                return Err(RegistrarError::Invalid(format!(
+                    "allocation {i}: size_bytes must be > 0"
+                )));
+            }
+            if fds == a.ipc_handle.is_some() {
+                return Err(RegistrarError::Invalid(format!(
+                    "allocation {i}: {registrar} allocations {} a CUDA IPC handle",
+                    if fds { "carry no" } else { "need" }
+                )));
+            }
+        }
+        let mut used = vec![false; self.allocations.len()];
+        for (layer, tv) in self.views.iter().enumerate() {
+            let v = &tv.view;
+            let Some(a) = self.allocations.get(tv.allocation) else {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: allocation_index {} is not one of the {} allocations",
+                    tv.allocation,
+                    self.allocations.len()
+                )));
+            };
+            used[tv.allocation] = true;
+            if v.size_bytes == 0 || v.block_stride_bytes == 0 {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: size_bytes and block_stride_bytes must be > 0"
+                )));
+            }
+            if v.offset_bytes
+                .checked_add(v.size_bytes)
+                .is_none_or(|end| end > a.size_bytes)
+            {
+                return Err(RegistrarError::Invalid(format!(
+                    "layer {layer}: view at offset {} of {} bytes exceeds allocation {} of {} bytes",
+                    v.offset_bytes, v.size_bytes, tv.allocation, a.size_bytes
+                )));
+            }
+        }
+        if let Some(i) = used.iter().position(|u| !u) {
+            return Err(RegistrarError::Invalid(format!(
+                "allocation {i} is not used by any layer"
+            )));
+        }
+        Ok(())
+    }
+
+    /// Closes every descriptor still pending for this registration's `(instance, device)`
+    /// (any allocation index) and returns `e`.
+    pub fn refuse(&self, e: RegistrarError) -> RegistrarError {
+        if let Some(ch) = &self.channel {
+            if ch.discard(&self.instance_id, self.device_id) {
+                tracing::debug!(instance = %self.instance_id, device_id = self.device_id, "discarded the pending fds of a refused native v2 registration");
+            }
+        }
+        e
+    }
+
+    /// Takes the descriptor of every allocation, in index order, all within one `timeout`.
+    /// On a missing descriptor (Precondition naming its index) every descriptor taken so far
+    /// is closed and every one still pending for the registration is discarded.
+    pub async fn take_fds(
+        &self,
+        what: &str,
+        timeout: std::time::Duration,
+    ) -> Result<Vec<std::os::fd::OwnedFd>, RegistrarError> {
+        let Some(ch) = &self.channel else {
+            return Err(RegistrarError::Failed(format!(
+                "{what}: a CUDA IPC registration has no descriptors to take"
+            )));
+        };
+        let start = tokio::time::Instant::now();
+        let deadline = start
+            .checked_add(timeout)
+            .unwrap_or_else(|| start + std::time::Duration::from_secs(365 * 24 * 3600));
+        let mut fds = Vec::with_capacity(self.allocations.len());
+        for i in 0..self.allocations.len() {
+            let index = u32::try_from(i).map_err(|_| {
+                self.refuse(RegistrarError::Invalid(format!(
+                    "allocation index {i} too large"
+                )))
+            })?;
+            match ch
+                .take_allocation(&self.instance_id, self.device_id, index, deadline)
+                .await
+            {
+                Some(fd) => fds.push(fd),
+                None => {
+                    drop(fds);
+                    return Err(self.refuse(RegistrarError::Precondition(format!(
+                        "no {what} for allocation {i} of {} received on the fd side channel for \
+                         instance {} device {} within {}s",
+                        self.allocations.len(),
+                        self.instance_id,
+                        self.device_id,
+                        timeout.as_secs_f64()
+                    ))));
+                }
+            }
+        }
+        Ok(fds)
+    }
+
+    /// One region per view, in layer order, each in `memories[view.allocation]` (one imported
+    /// registration per allocation, in allocation order).
+    ///
+    /// Errors: Failed when `memories` does not hold one registration per allocation, or an
+    /// imported registration is shorter than a view needs.
+    pub fn regions(
+        &self,
+        memories: &[Arc<dyn Registration>],
+    ) -> Result<Vec<LayerRegion>, RegistrarError> {
+        if memories.len() != self.allocations.len() {
+            return Err(RegistrarError::Failed(format!(
+                "imported {} allocations of {}",
+                memories.len(),
+                self.allocations.len()
+            )));
+        }
+        self.views
+            .iter()
+            .enumerate()
+            .map(|(layer, tv)| {
+                let m = &memories[tv.allocation];
+                let end = tv.view.offset_bytes + tv.view.size_bytes;
+                if end > m.len_bytes() {
+                    return Err(RegistrarError::Invalid(format!(
+                        "layer {layer}: view ends at byte {end} but allocation {} maps {} bytes",
+                        tv.allocation,
+                        m.len_bytes()
+                    )));
+                }
+                Ok(LayerRegion {
+                    memory: Arc::clone(m),
+                    offset: tv.view.offset_bytes,
+                    len: tv.view.size_bytes,
+                })
             })
             .collect()
     }

@@ -25,8 +25,9 @@ use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::stat::{fstat, SFlag};
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    parse_settings, ImportRequest, LayerRegion, MemorySpace, NativeImport, PayloadCarrier,
-    PayloadScheme, Registrar, RegistrarError, RegistrarTraits, Registration, RuntimeContext,
+    parse_settings, ImportRequest, LayerRegion, MemorySpace, NativeImport, NativeImportV2,
+    PayloadCarrier, PayloadScheme, Registrar, RegistrarError, RegistrarTraits, Registration,
+    RegistrationPayload, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
@@ -50,6 +51,12 @@ pub const MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::HostMemfd as i32;
 /// off), maps `alloc_size` bytes shared read-write, closes the descriptor, and returns one
 /// region per view. All the regions share one mapping, unmapped when the last region is
 /// dropped.
+///
+/// Native registration v2 ([`RegistrationPayload::NativeV2`]): one memfd per allocation, sent
+/// as allocation `i` of the registration's key; each is checked, sealed and mapped like the
+/// v1 memfd (in allocation order, on one blocking thread). When any allocation fails (missing,
+/// too small, unsealable), every mapping made so far is unmapped, every descriptor taken is
+/// closed and every descriptor still pending for the registration is discarded.
 #[derive(Debug)]
 pub struct HostMemfdRegistrar {
     channel: Option<Arc<FdChannel>>,
@@ -243,6 +250,9 @@ impl Registrar for HostMemfdRegistrar {
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
+        if matches!(req.payload, RegistrationPayload::NativeV2 { .. }) {
+            return self.import_v2(req).await;
+        }
         let import = NativeImport::check("host-memfd", MEMORY_KIND, self.channel.as_ref(), req)?;
         let alloc_size = import.alloc_size;
         let len = usize::try_from(alloc_size).map_err(|_| {
@@ -266,6 +276,67 @@ impl Registrar for HostMemfdRegistrar {
         });
         debug!(memory = %memory.describe(), layers = import.views.len(), "host-memfd: imported");
         Ok(import.regions(memory))
+    }
+}
+
+impl HostMemfdRegistrar {
+    /// Imports a native registration v2: one memfd per allocation.
+    async fn import_v2(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
+        let import =
+            NativeImportV2::check("host-memfd", MEMORY_KIND, true, self.channel.as_ref(), req)?;
+        let lens = import
+            .allocations
+            .iter()
+            .enumerate()
+            .map(|(i, a)| {
+                usize::try_from(a.size_bytes).map_err(|_| {
+                    RegistrarError::Invalid(format!(
+                        "allocation {i}: size_bytes {} does not fit in memory",
+                        a.size_bytes
+                    ))
+                })
+            })
+            .collect::<Result<Vec<usize>, _>>()
+            .map_err(|e| import.refuse(e))?;
+        let fds = import.take_fds("memfd", self.fd_timeout).await?;
+        let who = format!(
+            "instance {} device {}",
+            import.instance_id, import.device_id
+        );
+        let require_seal = self.require_shrink_seal;
+        // Map in allocation order; on the first failure the maps made so far are dropped
+        // (unmapped) and the descriptors not reached yet close with the iterator.
+        let maps = tokio::task::spawn_blocking(move || {
+            let mut maps = Vec::with_capacity(lens.len());
+            for (i, (fd, len)) in fds.into_iter().zip(lens).enumerate() {
+                maps.push(map_memfd(
+                    fd,
+                    len,
+                    require_seal,
+                    &format!("{who} allocation {i}"),
+                )?);
+            }
+            Ok::<_, RegistrarError>(maps)
+        })
+        .await
+        .map_err(|e| RegistrarError::Failed(format!("mapping the memfds failed: {e}")))??;
+        let memories: Vec<Arc<dyn Registration>> = maps
+            .into_iter()
+            .map(|map| {
+                Arc::new(MemfdMapping {
+                    map,
+                    instance_id: import.instance_id.clone(),
+                    device_id: import.device_id,
+                }) as Arc<dyn Registration>
+            })
+            .collect();
+        debug!(
+            instance = %import.instance_id,
+            allocations = memories.len(),
+            layers = import.views.len(),
+            "host-memfd: native v2 registration imported"
+        );
+        import.regions(&memories)
     }
 }
 
