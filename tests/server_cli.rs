@@ -75,6 +75,29 @@ fn metaserver_flags_configure_the_directory() {
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     let err = String::from_utf8_lossy(&out.stderr);
     assert!(err.contains("has no directory"), "{err}");
+    // The entry the flag adds builds (the backend's other settings take their defaults): the
+    // server starts and serves while that MetaServer is unreachable, saying so in /health.
+    let http_addr = format!("127.0.0.1:{}", free_port());
+    let grpc_addr = format!("127.0.0.1:{}", free_port());
+    let meta = format!("http://127.0.0.1:{}", free_port());
+    let _server = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+            .args(["--addr", &grpc_addr, "--http-addr", &http_addr])
+            .args(["--pool-size", "64mb", "--metaserver-addr", &meta])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    let body = loop {
+        match health(&http_addr) {
+            Some(b) if b.contains("directory") => break b,
+            _ if Instant::now() < deadline => std::thread::sleep(Duration::from_millis(100)),
+            other => panic!("no /health naming the directory: {other:?}"),
+        }
+    };
+    assert!(body.starts_with("HTTP/1.1 200"), "{body}");
 }
 
 /// The CPU time (user + system) of process `pid`, in seconds (USER_HZ = 100 on Linux).
@@ -354,6 +377,34 @@ fn check_config_validates_backend_settings() {
     let (code, _, err) = run_any(&["--check-config", "--config", bad_kind.to_str().unwrap()]);
     assert_eq!(code, Some(2), "{err}");
     assert!(err.contains("memcopy"), "{err}");
+    // Values of known keys are checked too, without building anything: a malformed size, a
+    // value out of the backend's range, a wrong type, in a tier, a transport and a layer.
+    for (text, want) in [
+        ("[[tier]]\nkind = \"dram\"\ncapacity = \"30xb\"\n", "30xb"),
+        (
+            "[[tier]]\nkind = \"dram\"\ncapacity = \"1gb\"\nshards = 0\n",
+            "shards = 0",
+        ),
+        (
+            "[[transport]]\nkind = \"memcpy\"\nthreads = \"four\"\n",
+            "memcpy transport",
+        ),
+        (
+            "[[transport]]\nkind = \"cuda\"\nstaging_chunk = \"1kb\"\n",
+            "staging_chunk",
+        ),
+        (
+            "[[transport]]\nkind = \"memcpy\"\nlayers = [{ kind = \"fault\", fail_every = -1 }]\n",
+            "fail_every",
+        ),
+    ] {
+        let f = dir.0.join("values.toml");
+        std::fs::write(&f, text).unwrap();
+        let (code, out, err) = run_any(&["--check-config", "--config", f.to_str().unwrap()]);
+        assert_eq!(code, Some(2), "{text}: {out}{err}");
+        assert!(err.contains(want), "{text}: {err}");
+        assert!(out.is_empty(), "{text}: printed {out}");
+    }
 }
 
 /// A directory removed when the test ends.
@@ -365,8 +416,65 @@ impl Drop for TempDir {
     }
 }
 
+/// Flags whose default differs from PegaFlow 0.25.1's, because the number counts a different
+/// thing here: `(flag, ours, theirs)`. docs/OPERATIONS.md section 3 lists each with the reason;
+/// the parity test fails when a difference appears or disappears without this list changing.
+const DEFAULTS_THAT_DIFFER: &[(&str, &str, &str)] = &[
+    // Hashes pending here, insert/remove commands (batches) there.
+    ("metaserver-queue-depth", "65536", "4096"),
+    // Open segments per path with 0 = one per write in flight, file shards per path there.
+    ("ssd-cache-shards", "0", "1"),
+    // Get batches per promotion here, per request there.
+    ("ssd-prefetch-queue-depth", "32", "2"),
+    // Chunk writes of up to 8 MiB (`write_chunk`) here, single-block writes there.
+    ("ssd-write-inflight", "4", "2"),
+];
+
+/// `--flag` -> its help text (the lines up to the next flag, joined), from clap's long help.
+fn help_blocks(help: &str) -> std::collections::BTreeMap<String, String> {
+    let mut out = std::collections::BTreeMap::new();
+    let mut cur: Option<String> = None;
+    for l in help.lines() {
+        let t = l.trim_start();
+        let t = t
+            .strip_prefix("-h, ")
+            .or(t.strip_prefix("-V, "))
+            .unwrap_or(t);
+        if let Some(r) = t.strip_prefix("--") {
+            let name = r.split([' ', '<', '=']).next().unwrap_or("").to_string();
+            if !name.is_empty() {
+                out.insert(name.clone(), String::new());
+                cur = Some(name);
+                continue;
+            }
+        }
+        if let Some(c) = &cur {
+            let b = out.get_mut(c).unwrap();
+            b.push(' ');
+            b.push_str(t);
+        }
+    }
+    out
+}
+
+/// The `[default: X]` (or a placeholder's `[PegaFlow's default: X]`) of one help block,
+/// normalised so that `1` and `1.0` compare equal.
+fn help_default(block: &str) -> Option<String> {
+    let text = block.split_whitespace().collect::<Vec<_>>().join(" ");
+    let at = text
+        .find("[PegaFlow's default: ")
+        .map(|i| i + "[PegaFlow's default: ".len())
+        .or_else(|| text.find("[default: ").map(|i| i + "[default: ".len()))?;
+    let v = text[at..].split(']').next()?.trim().to_string();
+    Some(match v.parse::<f64>() {
+        Ok(n) => format!("{n}"),
+        Err(_) => v.to_ascii_lowercase(),
+    })
+}
+
 /// Every flag of PegaFlow 0.25.1's server (the published wheel's `pegaflow-server-py --help`)
-/// is a flag here too: flags of parts this build lacks parse and fail start-up naming the part.
+/// is a flag here too, with the same default (but the documented [`DEFAULTS_THAT_DIFFER`]);
+/// flags of parts this build lacks parse and fail start-up naming the part.
 #[test]
 fn every_flag_of_pegaflows_server_is_accepted() {
     let lib = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join(".venv/lib");
@@ -379,29 +487,51 @@ fn every_flag_of_pegaflows_server_is_accepted() {
         println!("SKIP: every_flag_of_pegaflows_server_is_accepted: the wheel is not installed (scripts/python-venv.sh)");
         return;
     };
-    let flags = |help: &str| -> std::collections::BTreeSet<String> {
-        help.lines()
-            .filter_map(|l| {
-                let t = l.trim_start();
-                let t = t
-                    .strip_prefix("-h, ")
-                    .or(t.strip_prefix("-V, "))
-                    .unwrap_or(t);
-                t.strip_prefix("--")
-                    .map(|r| r.split([' ', '<', '=']).next().unwrap_or("").to_string())
-            })
-            .filter(|f| !f.is_empty())
-            .collect()
-    };
     let out = Command::new(&theirs).arg("--help").output().unwrap();
-    let theirs = flags(&String::from_utf8_lossy(&out.stdout));
+    let theirs = help_blocks(&String::from_utf8_lossy(&out.stdout));
     assert!(theirs.len() > 20, "parsed PegaFlow's --help: {theirs:?}");
-    let ours = flags(&run(&["--help"]));
-    let missing: Vec<&String> = theirs.difference(&ours).collect();
+    let ours = help_blocks(&run(&["--help"]));
+    let missing: Vec<&String> = theirs.keys().filter(|f| !ours.contains_key(*f)).collect();
     assert!(
         missing.is_empty(),
         "PegaFlow flags missing here: {missing:?}"
     );
+    // Defaults: every default PegaFlow shows, ours shows too and equal, but the listed ones.
+    let mut differ = Vec::new();
+    for (flag, block) in &theirs {
+        let Some(want) = help_default(block) else {
+            continue;
+        };
+        let got = help_default(&ours[flag]);
+        if got.as_deref() != Some(want.as_str()) {
+            differ.push((flag.clone(), got.unwrap_or_else(|| "none".into()), want));
+        }
+    }
+    let listed: Vec<(String, String, String)> = DEFAULTS_THAT_DIFFER
+        .iter()
+        .map(|(f, o, t)| (f.to_string(), o.to_string(), t.to_string()))
+        .collect();
+    assert_eq!(
+        differ, listed,
+        "(flag, ours, PegaFlow's) defaults that differ; update DEFAULTS_THAT_DIFFER and docs/OPERATIONS.md section 3 together"
+    );
+    // A switch there stays usable as a bare switch here (no value needed).
+    assert!(ours["enable-prometheus"].contains("off unless given"));
+    let ops = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/OPERATIONS.md"))
+        .unwrap();
+    let migration = ops
+        .split("## 3. Migrating from PegaFlow")
+        .nth(1)
+        .and_then(|s| s.split("\n## ").next())
+        .expect("OPERATIONS.md has section 3");
+    for (flag, o, t) in DEFAULTS_THAT_DIFFER {
+        assert!(
+            migration.contains(&format!("`--{flag}`"))
+                && migration.contains(&format!("`{o}`"))
+                && migration.contains(&format!("`{t}`")),
+            "OPERATIONS.md section 3 does not document --{flag} ({o} here, {t} there)"
+        );
+    }
     // A flag of a part this build lacks fails start-up naming the part.
     let out = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
         .args(["--backup-max-bandwidth", "2gb"])
@@ -409,6 +539,65 @@ fn every_flag_of_pegaflows_server_is_accepted() {
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
     assert!(String::from_utf8_lossy(&out.stderr).contains("decode backup"));
+}
+
+/// A free loopback TCP port (bound and released).
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// The status code of `GET path` over a fresh connection.
+fn http_status(addr: &str, path: &str) -> u16 {
+    use std::io::{Read, Write};
+    let mut s = std::net::TcpStream::connect(addr).unwrap();
+    s.set_read_timeout(Some(Duration::from_secs(5))).unwrap();
+    write!(
+        s,
+        "GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n"
+    )
+    .unwrap();
+    let mut out = String::new();
+    s.read_to_string(&mut out).unwrap();
+    out.split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .unwrap_or_else(|| panic!("no status line: {out:?}"))
+}
+
+/// Without `--enable-prometheus` the server serves `/health` but no `/metrics`, as PegaFlow's
+/// server does; the bare switch turns the route on.
+#[test]
+fn metrics_are_off_unless_enabled() {
+    for (args, want) in [(&[][..], 404u16), (&["--enable-prometheus"][..], 200)] {
+        let port = free_port();
+        let http = free_port();
+        let addr = format!("127.0.0.1:{port}");
+        let http_addr = format!("127.0.0.1:{http}");
+        let mut cmd = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"));
+        cmd.args([
+            "--addr",
+            &addr,
+            "--http-addr",
+            &http_addr,
+            "--pool-size",
+            "64mb",
+        ])
+        .args(args)
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::null());
+        let child = KillOnDrop(cmd.spawn().unwrap());
+        let deadline = Instant::now() + Duration::from_secs(20);
+        while health(&http_addr).is_none() {
+            assert!(Instant::now() < deadline, "server did not come up");
+            std::thread::sleep(Duration::from_millis(50));
+        }
+        assert_eq!(http_status(&http_addr, "/metrics"), want, "with {args:?}");
+        drop(child);
+    }
 }
 
 /// The README's pipeline example, as printed, passes `--check-config` (and with the flag the
@@ -428,4 +617,45 @@ fn the_readme_pipeline_example_is_valid() {
     let p = path.to_str().unwrap();
     run(&["--config", p, "--check-config"]);
     run(&["--config", p, "--pool-size", "64gb", "--check-config"]);
+}
+
+/// docs/OPERATIONS.md stays true to `--list-plugins`: its table of linked kinds names every
+/// kind this build lists, and every line of its sample listing is a line the binary prints.
+#[test]
+fn operations_md_matches_list_plugins() {
+    let listing = run(&["--list-plugins"]);
+    let ops = std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/OPERATIONS.md"))
+        .unwrap();
+    let table = ops
+        .split("What the default build links")
+        .nth(1)
+        .and_then(|s| s.split("\n\n").nth(1))
+        .expect("OPERATIONS.md has the table of linked kinds");
+    let kinds: Vec<&str> = listing
+        .lines()
+        .filter(|l| l.starts_with("  ") && !l.starts_with("   "))
+        .filter_map(|l| l.split_whitespace().next())
+        .collect();
+    assert!(kinds.len() >= 10, "parsed kinds {kinds:?} from:\n{listing}");
+    for k in &kinds {
+        assert!(
+            table.contains(&format!("`{k}`")),
+            "OPERATIONS.md's table of linked kinds lacks `{k}`:\n{table}"
+        );
+    }
+    let sample = ops
+        .split("**`--list-plugins`** prints")
+        .nth(1)
+        .and_then(|s| s.split("```\n").nth(1))
+        .expect("OPERATIONS.md has a --list-plugins sample");
+    let printed: std::collections::BTreeSet<&str> = listing.lines().map(str::trim_end).collect();
+    for line in sample
+        .lines()
+        .filter(|l| !l.trim().is_empty() && l.trim() != "...")
+    {
+        assert!(
+            printed.contains(line.trim_end()),
+            "OPERATIONS.md's --list-plugins sample has a line the binary does not print: {line:?}"
+        );
+    }
 }

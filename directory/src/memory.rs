@@ -891,6 +891,7 @@ inventory::submit! {
         summary: "in-process directory with PegaFlow's MetaServer semantics (this server only; pegaflow-metaserver's default store)",
         config: ConfigSchema {
             defaults: defaults_of::<MemoryConfig>,
+            check: |w, t| parse_settings::<MemoryConfig>(w, t)?.check(),
             options: &[
                 PluginOption { name: "stale_after_secs", help: "seconds without a heartbeat before a node is hidden and its address may be taken over" },
                 PluginOption { name: "ttl_minutes", help: "minutes without node activity before the sweep drops the node and its entries" },

@@ -24,9 +24,9 @@ use parking_lot::Mutex;
 use pegaflow_proto as pb;
 use pegaflow_proto::meta_server_client::MetaServerClient;
 use pegaflow_runtime::{
-    defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError, DirectoryFactory,
-    FactoryFlag, FlagValue, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix, PluginOption,
-    RuntimeContext,
+    check_parses, defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError,
+    DirectoryFactory, FactoryFlag, FlagValue, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix,
+    PluginOption, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 use tonic::transport::{Channel, Endpoint};
@@ -39,7 +39,7 @@ pub const MAX_HASHES_PER_RPC: usize = 16_384;
 
 /// `[directory] kind = "metaserver"` settings.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
-#[serde(deny_unknown_fields)]
+#[serde(deny_unknown_fields, default)]
 pub struct MetaServerConfig {
     /// The MetaServer's URL (`http://host:50056`; `host:port` alone means http).
     pub addr: String,
@@ -387,6 +387,7 @@ inventory::submit! {
         summary: "a client of a PegaFlow-compatible MetaServer (ours or PegaFlow's pegaflow-metaserver)",
         config: ConfigSchema {
             defaults: defaults_of::<MetaServerConfig>,
+            check: check_parses::<MetaServerConfig>,
             options: &[
                 PluginOption {
                     name: "addr",

@@ -1086,6 +1086,7 @@ inventory::submit! {
         summary: "the block directory in one Redis/Valkey primary shared by all nodes: native key expiry, server-side scripts, short timeouts",
         config: ConfigSchema {
             defaults: defaults_of::<RedisConfig>,
+            check: |w, t| parse_settings::<RedisConfig>(w, t)?.check(),
             options: &[
                 PluginOption { name: "url", help: "Redis to use: redis://[user:password@]host:port[/db] or redis+unix:///path (a single primary; Redis Cluster is not supported)" },
                 PluginOption { name: "key_prefix", help: "prefix of every key the directory writes (directories sharing one Redis need different prefixes)" },

@@ -16,8 +16,8 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use pegaflow_runtime::block::{BlockKey, BlockShape};
 use pegaflow_runtime::{
-    defaults_of, parse_settings, BuiltTier, ConfigSchema, PluginOption, Recovered, RuntimeContext,
-    Tier, TierCapabilities, TierError, TierFactory, TierGet, TierPut,
+    check_parses, defaults_of, parse_settings, BuiltTier, ConfigSchema, PluginOption, Recovered,
+    RuntimeContext, Tier, TierCapabilities, TierError, TierFactory, TierGet, TierPut,
 };
 use serde::{Deserialize, Serialize};
 
@@ -273,6 +273,7 @@ inventory::submit! {
         summary: "key-addressed tier below DRAM in this process's heap, oldest evicted first (a third-party example)",
         config: ConfigSchema {
             defaults: defaults_of::<HeapStoreConfig>,
+            check: check_parses::<HeapStoreConfig>,
             options: &[
                 PluginOption { name: "capacity", help: "bytes the store may hold (size string or bytes)" },
                 PluginOption { name: "evict", help: "evict the oldest blocks when a put needs room (false: the put fails as full)" },

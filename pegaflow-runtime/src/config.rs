@@ -23,7 +23,7 @@ pub const DEFAULT_PIPELINE: &str = r#"
 addr = "127.0.0.1:50055"
 http_addr = "0.0.0.0:9091"
 log_level = "info"
-enable_prometheus = true
+enable_prometheus = false
 
 [engine]
 lease_ttl_secs = 600
@@ -149,8 +149,9 @@ pub struct ServerConfig {
     /// Log filter (`info`, `debug`, or a tracing filter directive).
     #[serde(default = "default_log_level")]
     pub log_level: String,
-    /// Whether `/metrics` is served.
-    #[serde(default = "default_true")]
+    /// Whether `/metrics` is served. Off by default, as PegaFlow's `--enable-prometheus`
+    /// switch is; `/health` and the admin routes are served either way.
+    #[serde(default)]
     pub enable_prometheus: bool,
     /// Whether Python (pickled CUDA IPC) registrations are accepted (`--python-registry`);
     /// false leaves only native registrars.
@@ -378,7 +379,7 @@ impl Default for ServerConfig {
             addr: default_addr(),
             http_addr: default_http_addr(),
             log_level: default_log_level(),
-            enable_prometheus: true,
+            enable_prometheus: false,
             python_registry: true,
             devices: None,
             max_connections: None,
@@ -669,7 +670,8 @@ impl PipelineConfig {
 }
 
 /// Refuses a key of `table` (a backend's settings) that the backend's [`ConfigSchema`]
-/// neither defaults nor documents, listing the valid keys.
+/// neither defaults nor documents, listing the valid keys; then runs the backend's
+/// [`ConfigSchema::check`] on the values.
 fn check_keys(
     what: &str,
     schema: &crate::plugin::ConfigSchema,
@@ -692,7 +694,7 @@ fn check_keys(
             valid.join(", ")
         );
     }
-    Ok(())
+    (schema.check)(what, table)
 }
 
 /// `text` as a socket address: a literal `IP:port`, or a `host:port` resolved with the
@@ -843,7 +845,8 @@ pub struct Flags {
     /// HTTP listen address for /health, /metrics and the admin endpoints. [default: 0.0.0.0:9091]
     #[arg(long, value_name = "HOST:PORT")]
     pub http_addr: Option<String>,
-    /// Serve Prometheus metrics on /metrics. [default: true]
+    /// Serve Prometheus metrics on /metrics (off unless given, as in PegaFlow). The bare flag
+    /// turns it on; `--enable-prometheus false` turns it off where a pipeline turns it on.
     #[arg(long, value_name = "BOOL", num_args = 0..=1, default_missing_value = "true")]
     pub enable_prometheus: Option<bool>,
     /// OTLP metrics endpoint (gRPC).
@@ -933,27 +936,33 @@ pub struct Cli {
 /// on huge pages), with what each needs. A flag no linked factory declares stays on the
 /// command line as a placeholder, so that an existing deployment script gets "this flag
 /// needs X, and none is linked" rather than "unexpected argument"; a linked factory that
-/// declares the flag ([`crate::plugin::FactoryFlag`]) takes the name over.
-const PLACEHOLDER_FLAGS: &[(&str, &str)] = &[
-    ("ssd-cache-path", LOWER_TIER),
-    ("ssd-cache-capacity", LOWER_TIER),
-    ("ssd-cache-shards", LOWER_TIER),
-    ("ssd-write-queue-depth", LOWER_TIER),
-    ("ssd-prefetch-queue-depth", LOWER_TIER),
-    ("ssd-write-inflight", LOWER_TIER),
-    ("ssd-prefetch-inflight", LOWER_TIER),
-    ("nics", TRANSPORT),
-    ("qps-per-peer", TRANSPORT),
-    ("transfer-lock-timeout-secs", TRANSPORT),
-    ("use-hugepages", "a landing tier that declares this flag"),
+/// declares the flag ([`crate::plugin::FactoryFlag`]) takes the name over. The third column
+/// is PegaFlow 0.25.1's default, shown in `--help` (the flag-parity test compares it).
+const PLACEHOLDER_FLAGS: &[(&str, &str, Option<&str>)] = &[
+    ("ssd-cache-path", LOWER_TIER, None),
+    ("ssd-cache-capacity", LOWER_TIER, Some("512gb")),
+    ("ssd-cache-shards", LOWER_TIER, Some("1")),
+    ("ssd-write-queue-depth", LOWER_TIER, Some("8")),
+    ("ssd-prefetch-queue-depth", LOWER_TIER, Some("2")),
+    ("ssd-write-inflight", LOWER_TIER, Some("2")),
+    ("ssd-prefetch-inflight", LOWER_TIER, Some("16")),
+    ("nics", TRANSPORT, None),
+    ("qps-per-peer", TRANSPORT, Some("2")),
+    ("transfer-lock-timeout-secs", TRANSPORT, Some("120")),
+    (
+        "use-hugepages",
+        "a landing tier that declares this flag",
+        None,
+    ),
     (
         "metaserver-addr",
         "a directory backend that declares this flag (the MetaServer client)",
+        None,
     ),
-    ("backup-reclaimable-percent", DECODE_BACKUP),
-    ("backup-max-candidates", DECODE_BACKUP),
-    ("backup-pull-max-bytes", DECODE_BACKUP),
-    ("backup-max-bandwidth", DECODE_BACKUP),
+    ("backup-reclaimable-percent", DECODE_BACKUP, Some("10")),
+    ("backup-max-candidates", DECODE_BACKUP, Some("16384")),
+    ("backup-pull-max-bytes", DECODE_BACKUP, Some("256mb")),
+    ("backup-max-bandwidth", DECODE_BACKUP, Some("2gb")),
 ];
 /// PegaFlow 0.25.1's decode backup (idle decode nodes pulling retained blocks of busy ones).
 const DECODE_BACKUP: &str = "decode backup (idle decode nodes pulling the blocks of busy ones)";
@@ -985,14 +994,17 @@ fn with_factory_flags(mut cmd: clap::Command) -> clap::Command {
         }
         cmd = cmd.arg(arg);
     }
-    for (long, needs) in PLACEHOLDER_FLAGS {
+    for (long, needs, default) in PLACEHOLDER_FLAGS {
         if cmd.get_arguments().any(|a| a.get_long() == Some(long)) {
             continue;
         }
+        let default = default.map_or(String::new(), |d| format!(" [PegaFlow's default: {d}]"));
         cmd = cmd.arg(
             clap::Arg::new(*long)
                 .long(*long)
-                .help(format!("PegaFlow's flag; needs {needs} (none is linked)"))
+                .help(format!(
+                    "[needs {needs}; none is linked] PegaFlow's flag, refused at start-up.{default}"
+                ))
                 .value_name("VALUE")
                 .num_args(0..)
                 .action(clap::ArgAction::Append),
@@ -1005,14 +1017,14 @@ fn given_placeholders(m: &clap::ArgMatches) -> Vec<&'static str> {
     let declared: Vec<&str> = declared_flags().iter().map(|d| d.flag.long).collect();
     PLACEHOLDER_FLAGS
         .iter()
-        .filter(|(long, _)| !declared.contains(long))
-        .filter(|(long, _)| {
+        .filter(|(long, _, _)| !declared.contains(long))
+        .filter(|(long, _, _)| {
             m.try_get_raw_occurrences(long)
                 .ok()
                 .flatten()
                 .is_some_and(|mut o| o.next().is_some())
         })
-        .map(|(long, _)| *long)
+        .map(|(long, _, _)| *long)
         .collect()
 }
 
@@ -1144,8 +1156,8 @@ impl Cli {
         if let Some(long) = self.placeholders.first() {
             let needs = PLACEHOLDER_FLAGS
                 .iter()
-                .find(|(l, _)| l == long)
-                .map_or("a backend", |(_, n)| n);
+                .find(|(l, _, _)| l == long)
+                .map_or("a backend", |(_, n, _)| n);
             bail!("--{long} needs {needs}, and none is linked into this binary");
         }
         if let Some(n) = a.max_prefetch_blocks {
@@ -1338,8 +1350,8 @@ impl Flags {
 mod tests {
     use super::*;
     use crate::plugin::{
-        defaults_of, BuiltTier, ConfigSchema, FactoryFlag, PluginOption, RuntimeContext,
-        TierFactory,
+        check_parses, defaults_of, BuiltTier, ConfigSchema, FactoryFlag, PluginOption,
+        RuntimeContext, TierFactory,
     };
     use clap::CommandFactory;
 
@@ -1372,6 +1384,7 @@ mod tests {
             summary: "config tests: a landing tier that is never built",
             config: ConfigSchema {
                 defaults: defaults_of::<TestPoolConfig>,
+                check: check_parses::<TestPoolConfig>,
                 options: &[
                     PluginOption { name: "capacity", help: "bytes" },
                     PluginOption { name: "shards", help: "sub-pools" },

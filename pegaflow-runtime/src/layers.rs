@@ -24,9 +24,9 @@ use serde::{Deserialize, Serialize};
 use crate::block::{BlockKey, BlockShape};
 use crate::fault::{FaultControl, FaultyTier, FaultyTransport};
 use crate::plugin::{
-    defaults_of, parse_settings, ConfigSchema, CopyBatch, HostRegion, LayerContext, LayerFactory,
-    MemorySpace, PluginOption, Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut,
-    Transport, TransportError,
+    check_parses, defaults_of, parse_settings, ConfigSchema, CopyBatch, HostRegion, LayerContext,
+    LayerFactory, MemorySpace, PluginOption, Recovered, Tier, TierCapabilities, TierError, TierGet,
+    TierPut, Transport, TransportError,
 };
 
 /// The `metrics` layer's settings: none.
@@ -424,7 +424,11 @@ inventory::submit! {
     LayerFactory {
         name: "metrics",
         summary: "counts every call by outcome, its duration and bytes (pegaflow_tier_*, pegaflow_transport_*)",
-        config: ConfigSchema { defaults: defaults_of::<MetricsLayerConfig>, options: &[] },
+        config: ConfigSchema {
+            defaults: defaults_of::<MetricsLayerConfig>,
+            check: check_parses::<MetricsLayerConfig>,
+            options: &[],
+        },
         wrap_tier: Some(metrics_tier),
         wrap_transport: Some(metrics_transport),
     }
@@ -436,6 +440,7 @@ inventory::submit! {
         summary: "injects failures and delays (staging and tests; never in production)",
         config: ConfigSchema {
             defaults: defaults_of::<FaultLayerConfig>,
+            check: check_parses::<FaultLayerConfig>,
             options: &[
                 PluginOption { name: "fail_every", help: "every k-th call fails (0 = never)" },
                 PluginOption { name: "fail_next", help: "the first n calls fail" },
@@ -453,6 +458,7 @@ inventory::submit! {
         summary: "writes a block to the tier only on its second sighting (put or missed lookup); --enable-lfu-admission adds it to every lower tier",
         config: ConfigSchema {
             defaults: defaults_of::<AdmissionConfig>,
+            check: check_parses::<AdmissionConfig>,
             options: &[
                 PluginOption { name: "window_keys", help: "keys remembered as seen once before the memory is cleared" },
             ],

@@ -89,8 +89,11 @@ class Server:
         pool_size: str = "256mb",
         extra_args: list[str] | None = None,
         binary: Path | None = None,
+        metrics: bool = True,
     ):
         self.binary = binary
+        # `--enable-prometheus` (off by default, as in PegaFlow): most tests read /metrics.
+        self.serve_metrics = metrics
         self.dir = Path(tempfile.mkdtemp(prefix="pegaflow-pytest-"))
         self.fd_socket = str(self.dir / "fd.sock")
         self.log_path = self.dir / "server.log"
@@ -116,6 +119,7 @@ class Server:
                 "--pool-size", self.pool_size,
                 "--fd-socket-path", self.fd_socket,
                 "--log-level", "info",
+                *(["--enable-prometheus"] if self.serve_metrics else []),
                 *self.extra_args,
             ]
             env = dict(os.environ, NO_COLOR="1", RUST_BACKTRACE="1")

@@ -120,8 +120,13 @@ def test_memory_cleanup_evicts_everything_but_keeps_leased_blocks_loadable(fresh
     assert json.loads(body)["evicted_blocks"] == 0
 
 
-def test_metrics_route_can_be_disabled(fresh_server):
-    s = fresh_server(extra_args=["--enable-prometheus", "false"])
+def test_metrics_route_is_off_unless_enabled(fresh_server):
+    # As PegaFlow's server: /metrics only with --enable-prometheus; /health either way.
+    s = fresh_server(metrics=False)
     assert s.get("/health") == (200, "ok")
     status, _ = s.get("/metrics")
     assert status == 404
+    s = fresh_server(metrics=False, extra_args=["--enable-prometheus", "false"])
+    assert s.get("/metrics")[0] == 404
+    s = fresh_server(metrics=False, extra_args=["--enable-prometheus"])
+    assert s.get("/metrics")[0] == 200

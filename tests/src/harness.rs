@@ -70,6 +70,7 @@ impl TestServer {
         let mut p = PipelineConfig::embedded_default();
         p.server.addr = "127.0.0.1:0".into();
         p.server.http_addr = "127.0.0.1:0".into();
+        p.server.enable_prometheus = true;
         p.fd_channel = Some(FdChannelConfig {
             path: socket.clone(),
         });

@@ -3,6 +3,7 @@
 
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
+use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
 use clap::{Args, Parser, Subcommand};
@@ -119,7 +120,7 @@ struct Cli {
     #[arg(long, value_name = "HOST:PORT", requires = "endpoint")]
     metrics_addr: Option<String>,
     /// Where to write the JSON report ("-" = stdout). [default:
-    /// target/pegaflow-replay/report.json in the workspace]
+    /// target/pegaflow-replay/report-<UTC time>.json in the workspace, a new file per run]
     #[arg(long, value_name = "PATH")]
     json: Option<PathBuf>,
     #[command(subcommand)]
@@ -150,7 +151,9 @@ struct SweepArgs {
     /// checked against the simulation); empty = none.
     #[arg(long, value_name = "LIST", default_value = "1gb,4gb", value_parser = sizes_arg)]
     replay_at: SizeList,
-    /// Folder for capacity-sweep.csv and capacity-sweep.png. [default: bench/results]
+    /// Folder for capacity-sweep.csv and capacity-sweep.png. [default:
+    /// target/pegaflow-replay/sweep-<UTC time>/ in the workspace, a new folder per run; the
+    /// committed figures in bench/results are rewritten only when named here]
     #[arg(long, value_name = "DIR")]
     out_dir: Option<PathBuf>,
 }
@@ -161,11 +164,40 @@ fn workspace_dir() -> PathBuf {
         .map_or_else(|| PathBuf::from("."), Path::to_path_buf)
 }
 
-fn default_json() -> PathBuf {
+/// `target/pegaflow-replay` of the workspace (or of `CARGO_TARGET_DIR`): where runs write
+/// their outputs by default, so that no run overwrites a tracked file or an earlier run's.
+fn output_root() -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| workspace_dir().join("target"));
-    target.join("pegaflow-replay").join("report.json")
+    target.join("pegaflow-replay")
+}
+
+fn default_json() -> PathBuf {
+    output_root().join(format!("report-{}.json", utc_stamp(SystemTime::now())))
+}
+
+/// `t` as a compact UTC time for file names, e.g. `20261201T175500Z`.
+fn utc_stamp(t: SystemTime) -> String {
+    let secs = t.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    // Civil date from days since 1970-01-01 (the proleptic Gregorian calendar, in 400-year
+    // eras of 146,097 days).
+    let z = days as i64 + 719_468;
+    let era = z.div_euclid(146_097);
+    let doe = z.rem_euclid(146_097);
+    let yoe = (doe - doe / 1_460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let day = doy - (153 * mp + 2) / 5 + 1;
+    let month = if mp < 10 { mp + 3 } else { mp - 9 };
+    let year = yoe + era * 400 + i64::from(month <= 2);
+    format!(
+        "{year:04}{month:02}{day:02}T{:02}{:02}{:02}Z",
+        rem / 3_600,
+        rem / 60 % 60,
+        rem % 60
+    )
 }
 
 fn load_trace(c: &Common) -> anyhow::Result<(PathBuf, Vec<TraceRequest>)> {
@@ -286,7 +318,7 @@ fn run_sweep(a: &SweepArgs, rt: &tokio::runtime::Runtime) -> anyhow::Result<bool
     let dir = a
         .out_dir
         .clone()
-        .unwrap_or_else(|| Path::new(env!("CARGO_MANIFEST_DIR")).join("results"));
+        .unwrap_or_else(|| output_root().join(format!("sweep-{}", utc_stamp(SystemTime::now()))));
     std::fs::create_dir_all(&dir).with_context(|| format!("cannot create {}", dir.display()))?;
     let csv = dir.join("capacity-sweep.csv");
     let png = dir.join("capacity-sweep.png");
@@ -360,5 +392,28 @@ fn main() -> ExitCode {
             eprintln!("error: {e:#}");
             ExitCode::FAILURE
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::time::Duration;
+
+    #[test]
+    fn utc_stamps_name_the_civil_time() {
+        let at = |s: u64| utc_stamp(UNIX_EPOCH + Duration::from_secs(s));
+        assert_eq!(at(0), "19700101T000000Z");
+        // 2000-02-29 (a leap day of a century leap year) 12:34:56.
+        assert_eq!(at(951_827_696), "20000229T123456Z");
+        // 2026-12-01 17:55:00.
+        assert_eq!(at(1_796_147_700), "20261201T175500Z");
+    }
+
+    #[test]
+    fn default_outputs_stay_out_of_tracked_folders() {
+        let json = default_json();
+        assert!(json.starts_with(output_root()), "{}", json.display());
+        assert!(!json.starts_with(Path::new(env!("CARGO_MANIFEST_DIR")).join("results")));
     }
 }

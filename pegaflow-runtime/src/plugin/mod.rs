@@ -27,8 +27,8 @@ pub use layer::{
     LayerFactory, TierLayerBuild, TransportLayerBuild,
 };
 pub use peer::{
-    known_peer_services, peer_service_factory, PeerDataError, PeerDataPath, PeerFetcher,
-    PeerRead, PeerService, PeerServiceBuild, PeerServiceFactory, RemoteRange,
+    known_peer_services, peer_service_factory, PeerDataError, PeerDataPath, PeerFetcher, PeerRead,
+    PeerService, PeerServiceBuild, PeerServiceFactory, RemoteRange,
 };
 pub use pool::{HostPool, HostRegion};
 pub use registrar::{
@@ -86,14 +86,42 @@ pub struct PluginOption {
 pub struct ConfigSchema {
     /// The default settings, as a pipeline table would hold them.
     pub defaults: fn() -> toml::Table,
+    /// Checks the values of a pipeline table without building anything (no memory mapped,
+    /// no file opened, no connection made): the types, the size strings and the ranges the
+    /// backend refuses at build time. `--check-config` and start-up run it, after the keys
+    /// were checked against `defaults` and `options`. The `&str` names the entry for messages
+    /// (e.g. `"dram tier"`). [`check_parses`] suffices for a backend without range limits.
+    pub check: SettingsCheck,
     /// Help per key of `defaults`, in listing order.
     pub options: &'static [PluginOption],
+}
+
+/// See [`ConfigSchema::check`].
+pub type SettingsCheck = fn(&str, &toml::Table) -> anyhow::Result<()>;
+
+/// A [`SettingsCheck`] that deserialises the table into `T` (as the backend's build does with
+/// [`parse_settings`]) and drops it.
+///
+/// # Errors
+/// As [`parse_settings`].
+pub fn check_parses<T: serde::de::DeserializeOwned>(
+    what: &str,
+    table: &toml::Table,
+) -> anyhow::Result<()> {
+    parse_settings::<T>(what, table).map(drop)
+}
+
+/// The [`SettingsCheck`] of a factory without settings: the keys check refuses any key, so
+/// nothing is left to check.
+fn check_nothing(_what: &str, _table: &toml::Table) -> anyhow::Result<()> {
+    Ok(())
 }
 
 impl ConfigSchema {
     /// A factory without settings: an empty table is its only valid one.
     pub const NONE: ConfigSchema = ConfigSchema {
         defaults: toml::Table::new,
+        check: check_nothing,
         options: &[],
     };
 

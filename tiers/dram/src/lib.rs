@@ -77,6 +77,42 @@ impl DramSettings {
         }
         parse_settings("dram tier", table)
     }
+
+    /// The capacity rounded down to whole [`GRANULE`]s, once the ranges hold.
+    ///
+    /// # Errors
+    /// A capacity below one granule (after rounding down) or beyond the address space, and
+    /// `shards` of 0, above [`MAX_SHARDS`] or above the number of granules.
+    pub fn checked_capacity(&self) -> anyhow::Result<usize> {
+        let capacity = usize::try_from(self.capacity)
+            .ok()
+            .map(|c| c / GRANULE * GRANULE)
+            .filter(|&c| c > 0)
+            .with_context(|| {
+                format!(
+                    "dram tier: capacity {} must be at least {GRANULE} bytes and fit the address space",
+                    describe_bytes(self.capacity)
+                )
+            })?;
+        let granules = capacity / GRANULE;
+        if self.shards == 0 || self.shards > MAX_SHARDS || self.shards > granules {
+            bail!(
+                "dram tier: shards = {} is out of range: it must be between 1 and {} for a capacity of {}",
+                self.shards,
+                MAX_SHARDS.min(granules),
+                describe_bytes(capacity as u64)
+            );
+        }
+        Ok(capacity)
+    }
+}
+
+/// The `dram` factory's settings check: [`DramSettings::from_table`] and the ranges of
+/// [`DramSettings::checked_capacity`], without mapping anything.
+fn check(_what: &str, table: &toml::Table) -> anyhow::Result<()> {
+    DramSettings::from_table(table)?
+        .checked_capacity()
+        .map(drop)
 }
 
 /// `MemTotal` of `/proc/meminfo`, in bytes; `None` where it cannot be read.
@@ -106,25 +142,7 @@ impl DramTier {
     /// `shards` of 0, above [`MAX_SHARDS`] or above the number of granules, and a failed
     /// `mmap` (with the OS error).
     pub fn new(settings: DramSettings) -> anyhow::Result<Self> {
-        let capacity = usize::try_from(settings.capacity)
-            .ok()
-            .map(|c| c / GRANULE * GRANULE)
-            .filter(|&c| c > 0)
-            .with_context(|| {
-                format!(
-                    "dram tier: capacity {} must be at least {GRANULE} bytes and fit the address space",
-                    describe_bytes(settings.capacity)
-                )
-            })?;
-        let granules = capacity / GRANULE;
-        if settings.shards == 0 || settings.shards > MAX_SHARDS || settings.shards > granules {
-            bail!(
-                "dram tier: shards = {} is out of range: it must be between 1 and {} for a capacity of {}",
-                settings.shards,
-                MAX_SHARDS.min(granules),
-                describe_bytes(capacity as u64)
-            );
-        }
+        let capacity = settings.checked_capacity()?;
         let pool = Pool::new(capacity, settings.shards).with_context(|| {
             format!(
                 "dram tier: cannot reserve {} of address space (anonymous mmap with MAP_NORESERVE); \
@@ -275,6 +293,7 @@ inventory::submit! {
         summary: "host-DRAM landing tier: one lazily committed anonymous mapping, 512-byte granules, sharded allocator",
         config: ConfigSchema {
             defaults: defaults_of::<DramSettings>,
+            check,
             options: &[
                 PluginOption {
                     name: "capacity",

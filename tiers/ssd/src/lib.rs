@@ -438,6 +438,7 @@ inventory::submit! {
         summary: "local NVMe below DRAM: crash-safe segment logs, io_uring or pread/pwrite, restart recovery",
         config: ConfigSchema {
             defaults: defaults_of::<SsdConfig>,
+            check: |w, t| parse_settings::<SsdConfig>(w, t)?.check(),
             options: &[
                 PluginOption { name: "paths", help: "cache directories (created when absent) or existing files; one per device" },
                 PluginOption { name: "capacity", help: "bytes over all paths; each path gets at most its free space minus reserve" },

@@ -18,9 +18,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion, MemorySpace,
-    PayloadCarrier, PayloadScheme, Registrar, RegistrarError, RegistrarFactory, RegistrarTraits,
-    Registration, RegistrationPayload, RuntimeContext,
+    check_parses, defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion,
+    MemorySpace, PayloadCarrier, PayloadScheme, Registrar, RegistrarError, RegistrarFactory,
+    RegistrarTraits, Registration, RegistrationPayload, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 
@@ -257,6 +257,7 @@ inventory::submit! {
         summary: "imports CudaIPCWrapper pickles (the Python client) as CUDA IPC mappings",
         config: ConfigSchema {
             defaults: defaults_of::<CudaIpcConfig>,
+            check: check_parses::<CudaIpcConfig>,
             options: &[],
         },
         flags: &[],

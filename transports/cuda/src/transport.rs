@@ -431,6 +431,7 @@ inventory::submit! {
         summary: "GPU <-> host copies (CUDA driver loaded at run time): batched gather/scatter kernel or direct copies",
         config: ConfigSchema {
             defaults: defaults_of::<CudaTransportConfig>,
+            check: |_, t| CudaTransportConfig::from_table(t).map(drop),
             options: OPTIONS,
         },
         flags: &[],

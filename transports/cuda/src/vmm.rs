@@ -35,9 +35,9 @@ use parking_lot::Mutex;
 use pegaflow_api::cuda_driver;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion, MemorySpace,
-    NativeImport, PayloadCarrier, PayloadScheme, PluginOption, Registrar, RegistrarError,
-    RegistrarFactory, RegistrarTraits, Registration, RuntimeContext,
+    check_parses, defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion,
+    MemorySpace, NativeImport, PayloadCarrier, PayloadScheme, PluginOption, Registrar,
+    RegistrarError, RegistrarFactory, RegistrarTraits, Registration, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 
@@ -575,6 +575,7 @@ inventory::submit! {
         summary: "imports a native engine's CUDA VMM allocation (POSIX fd on the side channel)",
         config: ConfigSchema {
             defaults: defaults_of::<CudaVmmConfig>,
+            check: check_parses::<CudaVmmConfig>,
             options: &[PluginOption {
                 name: "fd_timeout_secs",
                 help: "seconds an import waits for the allocation's fd on the side channel",
