@@ -9,6 +9,8 @@ pub mod client;
 pub mod cuda_driver;
 pub mod error;
 pub mod fd;
+#[cfg(feature = "cuda")]
+pub mod ipc;
 pub mod layout;
 pub mod load_state;
 pub mod memfd;

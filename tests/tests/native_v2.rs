@@ -492,3 +492,115 @@ async fn eight_rank_local_instances_share_one_client() {
     }
     assert!(srv.handle.engine.instance_ids().is_empty());
 }
+
+/// Save and load GB/s of one layout over `reps` rounds of `count` fresh blocks: (best save,
+/// median save, best load, median load).
+async fn bench_layout(
+    client: &Client,
+    tag: &str,
+    reg: &RegistrationBuilder<'_>,
+    blocks: usize,
+    count: usize,
+    reps: usize,
+) -> (f64, f64, f64, f64) {
+    let mut inst = client
+        .register(tag, &format!("bench-{tag}"), reg)
+        .await
+        .unwrap();
+    let bytes = (count * (MLA_LAYERS * MLA_BLOCK + IDXK_LAYERS * IDXK_BLOCK)) as f64;
+    let (mut saves, mut loads) = (Vec::new(), Vec::new());
+    for r in 0..reps {
+        let hs: Vec<Vec<u8>> = (0..count)
+            .map(|i| hash_of(&format!("{tag}-{r}"), i))
+            .collect();
+        let ids: Vec<u32> = (0..count as u32).collect();
+        let t0 = std::time::Instant::now();
+        inst.save(&ids, &hs).await.unwrap();
+        saves.push(bytes / t0.elapsed().as_secs_f64() / 1e9);
+        inst.flush().await.unwrap();
+        let (n, lease) = inst.query(hs, "b").await.unwrap();
+        assert_eq!(n as usize, count);
+        let targets: Vec<u32> = (blocks - count..blocks).map(|b| b as u32).collect();
+        let t0 = std::time::Instant::now();
+        inst.load(&lease, &targets).await.unwrap();
+        loads.push(bytes / t0.elapsed().as_secs_f64() / 1e9);
+    }
+    inst.unregister().await.unwrap();
+    let stats = |v: &mut Vec<f64>| {
+        v.sort_by(|a, b| a.partial_cmp(b).unwrap());
+        (v[v.len() - 1], v[v.len() / 2])
+    };
+    let (sb, sm) = stats(&mut saves);
+    let (lb, lm) = stats(&mut loads);
+    (sb, sm, lb, lm)
+}
+
+/// The CPU (memfd) figure of docs/BENCHMARKS.md "Native registration v2": Save/Load GB/s of
+/// the GLM5.2 rank layout (99 memfds) against the same bytes in one fused memfd (the same 99
+/// tensors back to back, and one tensor of 3,452,160 B per block). A measurement, not a check:
+/// `cargo test --release -p pegaflow-tests --test native_v2 -- --ignored --nocapture bench`
+/// (`PEGAFLOW_V2_BENCH_BLOCKS` blocks per Save/Load, default 32).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a benchmark: run by hand with --release --ignored --nocapture"]
+async fn bench_glm52_layout_against_one_fused_memfd() {
+    let count: usize = std::env::var("PEGAFLOW_V2_BENCH_BLOCKS")
+        .ok()
+        .and_then(|s| s.parse().ok())
+        .unwrap_or(32);
+    let blocks = 2 * count;
+    let reps = 5;
+    let srv = TestServer::start(ServerOptions {
+        capacity_bytes: (3 * count * 3_452_160) as u64 + (64 << 20),
+        ..ServerOptions::default()
+    })
+    .await;
+    let client = Client::connect(&srv.handle.endpoint()).await.unwrap();
+    let mut rows = Vec::new();
+    let arenas = glm52_arenas("bench", blocks);
+    rows.push((
+        "99 arenas, 99 memfds",
+        bench_layout(
+            &client,
+            "split",
+            &builder(&arenas, blocks),
+            blocks,
+            count,
+            reps,
+        )
+        .await,
+    ));
+    drop(arenas);
+    let per_block = MLA_LAYERS * MLA_BLOCK + IDXK_LAYERS * IDXK_BLOCK;
+    let fused = HostMemfd::new("fused", blocks * per_block).unwrap();
+    let layout: Vec<(String, usize)> = glm52_arenas("names", 1)
+        .into_iter()
+        .map(|a| (a.name, a.block))
+        .collect();
+    let mut b = RegistrationBuilder::new(0);
+    let a = b.allocation(&fused);
+    let mut off = 0u64;
+    for (name, block) in &layout {
+        b.contiguous_tensor(name, a, off, blocks as u64, *block as u64);
+        off += (blocks * block) as u64;
+    }
+    rows.push((
+        "99 arenas, one fused memfd",
+        bench_layout(&client, "fused", &b, blocks, count, reps).await,
+    ));
+    let mut b = RegistrationBuilder::new(0);
+    let a = b.allocation(&fused);
+    b.contiguous_tensor("page", a, 0, blocks as u64, per_block as u64);
+    rows.push((
+        "1 tensor of 3,452,160 B/block, one memfd",
+        bench_layout(&client, "page", &b, blocks, count, reps).await,
+    ));
+    println!(
+        "\nGLM5.2 rank layout over host memfds, {count} blocks x {per_block} B = {:.1} MiB per Save/Load, {reps} rounds:",
+        (count * per_block) as f64 / (1 << 20) as f64
+    );
+    println!("| layout | save GB/s best / median | load GB/s best / median |");
+    println!("|---|---|---|");
+    for (name, (sb, sm, lb, lm)) in rows {
+        println!("| {name} | {sb:.2} / {sm:.2} | {lb:.2} / {lm:.2} |");
+    }
+}

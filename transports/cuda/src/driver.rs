@@ -60,6 +60,7 @@ const REQUIRED_SYMBOLS: &[&str] = &[
     "cuIpcGetMemHandle",
     "cuIpcOpenEventHandle",
     "cuMemGetAddressRange_v2",
+    "cuPointerGetAttribute",
     "cuMemHostRegister_v2",
     "cuMemHostUnregister",
     "cuMemHostGetDevicePointer_v2",
@@ -520,6 +521,27 @@ impl RegistryState {
         );
         self.open.store(self.ipc.len(), Ordering::Release);
         Ok((dptr, size))
+    }
+
+    /// The CUDA ordinal of the device whose memory `dptr` (a mapping open in this process)
+    /// belongs to (`cuPointerGetAttribute(CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL)`).
+    ///
+    /// Errors: [`CudaError`] from the driver.
+    pub fn device_of(&mut self, dptr: u64) -> Result<i32, CudaError> {
+        let mut ordinal: std::ffi::c_int = -1;
+        check(
+            // SAFETY: the attribute is an int written through the out-pointer to a live
+            // local; dptr is a device address of this process.
+            unsafe {
+                sys::cuPointerGetAttribute(
+                    (&mut ordinal as *mut std::ffi::c_int).cast(),
+                    sys::CUpointer_attribute::CU_POINTER_ATTRIBUTE_DEVICE_ORDINAL,
+                    dptr,
+                )
+            },
+            "cuPointerGetAttribute(DEVICE_ORDINAL)",
+        )?;
+        Ok(ordinal)
     }
 
     /// Drops one reference to an IPC mapping; the last one closes it.

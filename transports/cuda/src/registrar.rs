@@ -1,5 +1,7 @@
 //! The `cuda-ipc` registrar: imports the published Python client's pickled `CudaIPCWrapper`s
-//! (one per layer) as CUDA IPC mappings.
+//! (one per layer) as CUDA IPC mappings; and the `cuda-ipc-handle` registrar: imports a native
+//! registration v2 whose allocations are raw 64-byte CUDA IPC handles of `cuMemAlloc` memory
+//! (`MEMORY_KIND_CUDA_IPC`, `native-clients.md` §2), one strided view per layer.
 //!
 //! Owns: parsing and validating every wrapper before any mapping is opened; choosing the device
 //! by UUID (never by the producer's device index); opening each distinct IPC handle of a
@@ -23,6 +25,9 @@ use pegaflow_runtime::{
     RegistrarTraits, Registration, RegistrationPayload, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
+
+use cudarc::driver::sys;
+use pegaflow_runtime::NativeImportV2;
 
 use crate::driver::{driver, Registry};
 use crate::wrapper::{parse_wrapper, CudaIpcWrapper, WrapperError};
@@ -251,6 +256,175 @@ impl Registrar for CudaIpcRegistrar {
     }
 }
 
+/// The `memory_kind` wire value of native v2 CUDA IPC registrations (`MEMORY_KIND_CUDA_IPC`).
+pub const IPC_HANDLE_MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::CudaIpc as i32;
+
+/// The `cuda-ipc-handle` registrar: native registration v2 over raw CUDA IPC handles.
+///
+/// Import: every allocation and view is checked first ([`NativeImportV2::check`]); then, on
+/// the `cuda-registry` thread and in allocation order, each distinct handle is opened once
+/// (`cuIpcOpenMemHandle` with `CU_IPC_MEM_LAZY_ENABLE_PEER_ACCESS`, refcounted with any other
+/// registration of the same handle), and the mapping is confirmed: it must start at the
+/// allocation's base (`cuMemGetAddressRange`), hold at least the stated `size_bytes`, and
+/// live on the request's device (`cuPointerGetAttribute(DEVICE_ORDINAL)`). The first failure
+/// closes every handle opened so far for the request. Each layer's region is bounds-checked
+/// against its mapping. Loads complete by the RPC only; one GPU per instance.
+#[derive(Debug, Clone, Default)]
+pub struct CudaIpcHandleRegistrar {
+    devices: Option<Vec<i32>>,
+}
+
+impl CudaIpcHandleRegistrar {
+    /// A registrar serving `devices` (CUDA ordinals; `None` = every device the driver
+    /// reports). Never fails: without a driver, imports fail with a clear error instead.
+    pub fn new(devices: Option<Vec<i32>>) -> Self {
+        Self { devices }
+    }
+
+    fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Registrar>> {
+        let _: CudaIpcConfig = parse_settings("cuda-ipc-handle registrar", table)?;
+        if let Err(e) = driver() {
+            crate::driver::note_unavailable("cuda-ipc-handle registrations", &e);
+        }
+        Ok(Arc::new(Self::new(ctx.devices.clone())))
+    }
+}
+
+#[async_trait]
+impl Registrar for CudaIpcHandleRegistrar {
+    fn kind(&self) -> &'static str {
+        "cuda-ipc-handle"
+    }
+
+    fn scheme(&self) -> PayloadScheme {
+        PayloadScheme {
+            name: "cuda-ipc-handle",
+            carrier: PayloadCarrier::SideChannel {
+                memory_kind: IPC_HANDLE_MEMORY_KIND,
+            },
+        }
+    }
+
+    /// One GPU per instance, loads complete by the RPC (the native rules).
+    fn traits(&self) -> RegistrarTraits {
+        RegistrarTraits {
+            completion_by_rpc_only: true,
+            max_world_size: Some(1),
+        }
+    }
+
+    async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
+        let import =
+            NativeImportV2::check("cuda-ipc-handle", IPC_HANDLE_MEMORY_KIND, false, None, req)?;
+        let ordinal = import.device_id;
+        if let Some(allowed) = &self.devices {
+            if !allowed.contains(&ordinal) {
+                return Err(RegistrarError::Precondition(format!(
+                    "GPU {ordinal} is not one of the devices this server serves ({allowed:?})"
+                )));
+            }
+        }
+        let drv = driver().map_err(|e| {
+            RegistrarError::Failed(format!(
+                "cuda-ipc-handle registration needs a CUDA driver: {e}"
+            ))
+        })?;
+        let Some(dev) = drv.device(ordinal) else {
+            return Err(RegistrarError::Precondition(format!(
+                "no CUDA device with ordinal {ordinal} on this server (it has {})",
+                drv.devices().len()
+            )));
+        };
+        let uuid = dev.uuid.clone();
+        let registry = drv
+            .registry()
+            .map_err(|e| RegistrarError::Failed(e.to_string()))?;
+        let allocations: Vec<(u64, [u8; 64])> = import
+            .allocations
+            .iter()
+            .map(|a| (a.size_bytes, a.ipc_handle.unwrap_or([0; 64])))
+            .collect();
+        // Opened on the registry thread: if this request is cancelled meanwhile, the result
+        // is dropped there and every handle closes again.
+        let rx = registry
+            .submit(move |st| {
+                let mut mappings: Vec<Arc<dyn Registration>> = Vec::with_capacity(allocations.len());
+                for (i, &(stated, handle)) in allocations.iter().enumerate() {
+                    let (base, len) = st.open_ipc(ordinal, &handle).map_err(|e| {
+                        RegistrarError::Failed(format!(
+                            "allocation {i}: cuIpcOpenMemHandle on GPU {ordinal} failed: {e} (is                              the engine process alive, on this node, and the handle from                              cuIpcGetMemHandle of a cuMemAlloc allocation?)"
+                        ))
+                    })?;
+                    // From here the mapping closes when dropped, on any error below too.
+                    let m = IpcMapping {
+                        ordinal,
+                        uuid: uuid.clone(),
+                        base,
+                        len,
+                        handle,
+                        registry,
+                    };
+                    let mut alloc_base: sys::CUdeviceptr = 0;
+                    let mut alloc_len = 0usize;
+                    crate::driver::check(
+                        // SAFETY: out-pointers to live locals; base is a mapping of this
+                        // process, open on the bound context.
+                        unsafe { sys::cuMemGetAddressRange_v2(&mut alloc_base, &mut alloc_len, base) },
+                        "cuMemGetAddressRange",
+                    )
+                    .map_err(|e| RegistrarError::Failed(format!("allocation {i}: {e}")))?;
+                    if alloc_base != base {
+                        return Err(RegistrarError::Invalid(format!(
+                            "allocation {i}: the IPC handle maps {base:#x}, inside an allocation                              starting at {alloc_base:#x} (send the handle of the allocation's base)"
+                        )));
+                    }
+                    if len < stated {
+                        return Err(RegistrarError::Invalid(format!(
+                            "allocation {i}: the IPC allocation holds {len} bytes, less than the                              stated size_bytes {stated}"
+                        )));
+                    }
+                    let on = st
+                        .device_of(base)
+                        .map_err(|e| RegistrarError::Failed(format!("allocation {i}: {e}")))?;
+                    if on != ordinal {
+                        return Err(RegistrarError::Invalid(format!(
+                            "allocation {i} lives on GPU {on}, not on GPU {ordinal} (the                              request's device_id)"
+                        )));
+                    }
+                    mappings.push(Arc::new(m));
+                }
+                Ok(mappings)
+            })
+            .map_err(|e| RegistrarError::Failed(e.to_string()))?;
+        let mappings = rx
+            .await
+            .map_err(|_| RegistrarError::Failed("the cuda-registry thread is gone".into()))??;
+        let regions = import.regions(&mappings)?;
+        tracing::info!(
+            instance = %import.instance_id,
+            device_id = ordinal,
+            layers = regions.len(),
+            allocations = mappings.len(),
+            "cuda-ipc-handle registration imported"
+        );
+        Ok(regions)
+    }
+}
+
+inventory::submit! {
+    RegistrarFactory {
+        kind: "cuda-ipc-handle",
+        summary: "imports a native v2 registration of raw CUDA IPC handles (cuMemAlloc arenas, no side channel)",
+        config: ConfigSchema {
+            defaults: defaults_of::<CudaIpcConfig>,
+            check: check_parses::<CudaIpcConfig>,
+            options: &[],
+        },
+        flags: &[],
+        build: CudaIpcHandleRegistrar::build,
+    }
+}
+
 inventory::submit! {
     RegistrarFactory {
         kind: "cuda-ipc",
@@ -334,6 +508,71 @@ mod tests {
             matches!(&e, RegistrarError::Failed(m)
                 if m.starts_with("cuda-ipc registration needs a CUDA driver: CUDA driver not available")),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn ipc_handle_registrar_refuses_bad_input_before_any_driver_call() {
+        use pegaflow_runtime::{NativeAllocationSpec, NativeTensorView, NativeView};
+        let r = CudaIpcHandleRegistrar::new(None);
+        let v1 = ImportRequest {
+            instance_id: "i".into(),
+            device_id: 0,
+            payload: RegistrationPayload::SideChannel {
+                memory_kind: IPC_HANDLE_MEMORY_KIND,
+                alloc_size: 4096,
+                views: vec![],
+            },
+        };
+        let e = block_on(r.import(v1)).unwrap_err();
+        assert!(
+            matches!(&e, RegistrarError::Invalid(m) if m.contains("native v2")),
+            "{e}"
+        );
+        let v2 = |offset: u64, handle: Option<[u8; 64]>| ImportRequest {
+            instance_id: "i".into(),
+            device_id: 0,
+            payload: RegistrationPayload::NativeV2 {
+                memory_kind: IPC_HANDLE_MEMORY_KIND,
+                allocations: vec![NativeAllocationSpec {
+                    size_bytes: 4096,
+                    ipc_handle: handle,
+                }],
+                views: vec![NativeTensorView {
+                    allocation: 0,
+                    view: NativeView {
+                        offset_bytes: offset,
+                        size_bytes: 4096,
+                        block_stride_bytes: 4096,
+                    },
+                }],
+            },
+        };
+        let e = block_on(r.import(v2(1, Some([1; 64])))).unwrap_err();
+        assert!(
+            matches!(&e, RegistrarError::Invalid(m) if m.contains("exceeds allocation 0")),
+            "{e}"
+        );
+        let e = block_on(r.import(v2(0, None))).unwrap_err();
+        assert!(
+            matches!(&e, RegistrarError::Invalid(m) if m.contains("need a CUDA IPC handle")),
+            "{e}"
+        );
+        if driver().is_err() {
+            let e = block_on(r.import(v2(0, Some([1; 64])))).unwrap_err();
+            assert!(
+                matches!(&e, RegistrarError::Failed(m) if m.contains("needs a CUDA driver")),
+                "{e}"
+            );
+        }
+        let f = pegaflow_runtime::registrar_factory("cuda-ipc-handle").unwrap();
+        let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
+        assert_eq!(r.kind(), "cuda-ipc-handle");
+        assert_eq!(
+            r.scheme().carrier,
+            PayloadCarrier::SideChannel {
+                memory_kind: IPC_HANDLE_MEMORY_KIND
+            }
         );
     }
 

@@ -19,6 +19,14 @@
 //! the allocation maps just that prefix. The stated size must also be a multiple of the
 //! imported allocation's granularity (checked first, with its own message).
 //!
+//! Native registration v2 ([`RegistrationPayload::NativeV2`], `0.25.1+native-v2`): several
+//! VMM allocations per registration, allocation `i`'s fd keyed `instance_id \0 device_id \0 i`
+//! on the side channel. Every fd is taken first (a missing one discards the rest), then all are
+//! imported in allocation order in one registry job, each exactly as a v1 allocation; the
+//! first failure releases every allocation imported so far (queued on the same thread) and
+//! closes the fds not reached yet. Each mapping is its own [`VmmMapping`], released on its own
+//! when the instance's teardown drops its last region.
+//!
 //! Must never: run a CUDA call on the async executor, return a region outside the mapping,
 //! leave an import, reservation or mapping behind on any failure or cancellation, or take the
 //! server down without a driver (imports fail with "CUDA driver not available: ...").
@@ -36,8 +44,9 @@ use pegaflow_api::cuda_driver;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
     check_parses, defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion,
-    MemorySpace, NativeImport, PayloadCarrier, PayloadScheme, PluginOption, Registrar,
-    RegistrarError, RegistrarFactory, RegistrarTraits, Registration, RuntimeContext,
+    MemorySpace, NativeImport, NativeImportV2, PayloadCarrier, PayloadScheme, PluginOption,
+    Registrar, RegistrarError, RegistrarFactory, RegistrarTraits, Registration,
+    RegistrationPayload, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 
@@ -520,6 +529,9 @@ impl Registrar for CudaVmmRegistrar {
     }
 
     async fn import(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
+        if matches!(req.payload, RegistrationPayload::NativeV2 { .. }) {
+            return self.import_v2(req).await;
+        }
         let import = NativeImport::check("cuda-vmm", MEMORY_KIND, self.channel.as_ref(), req)?;
         let (instance_id, device_id, alloc_size) = (
             import.instance_id.clone(),
@@ -566,6 +578,75 @@ impl Registrar for CudaVmmRegistrar {
         );
         let memory: Arc<dyn Registration> = memory;
         Ok(import.regions(memory))
+    }
+}
+
+impl CudaVmmRegistrar {
+    /// Imports a native registration v2: one VMM fd per allocation.
+    async fn import_v2(&self, req: ImportRequest) -> Result<Vec<LayerRegion>, RegistrarError> {
+        let import =
+            NativeImportV2::check("cuda-vmm", MEMORY_KIND, true, self.channel.as_ref(), req)?;
+        let (instance_id, device_id) = (import.instance_id.clone(), import.device_id);
+        let checked = self.check_device(device_id).and_then(|()| {
+            let drv = vmm_driver().map_err(|e| {
+                RegistrarError::Failed(format!("cuda-vmm registration needs a CUDA driver: {e}"))
+            })?;
+            if drv.device(device_id).is_none() {
+                return Err(RegistrarError::Precondition(format!(
+                    "no CUDA device with ordinal {device_id} on this server (it has {})",
+                    drv.devices().len()
+                )));
+            }
+            let registry = drv.registry().map_err(failed)?;
+            Ok((drv, registry))
+        });
+        let (drv, registry) = checked.map_err(|e| import.refuse(e))?;
+        let fds = import.take_fds("allocation fd", self.fd_timeout).await?;
+        let jobs: Vec<ImportJob> = fds
+            .into_iter()
+            .zip(&import.allocations)
+            .map(|(fd, a)| ImportJob {
+                fd,
+                ordinal: device_id,
+                alloc_size: a.size_bytes,
+                instance_id: instance_id.clone(),
+            })
+            .collect();
+        // One registry job imports them all in order; if this request is cancelled meanwhile,
+        // the result is dropped there and every mapping is released again.
+        let rx = registry
+            .submit(move |_| {
+                let mut out: Vec<Arc<dyn Registration>> = Vec::with_capacity(jobs.len());
+                for (i, job) in jobs.into_iter().enumerate() {
+                    // On an error `out` drops (each mapping queues its release on this thread)
+                    // and the remaining jobs drop with the iterator (their fds close).
+                    let m = import_on_registry(job, drv, registry).map_err(|e| match e {
+                        RegistrarError::Invalid(m) => {
+                            RegistrarError::Invalid(format!("allocation {i}: {m}"))
+                        }
+                        RegistrarError::Precondition(m) => {
+                            RegistrarError::Precondition(format!("allocation {i}: {m}"))
+                        }
+                        RegistrarError::Failed(m) => {
+                            RegistrarError::Failed(format!("allocation {i}: {m}"))
+                        }
+                    })?;
+                    out.push(m);
+                }
+                Ok(out)
+            })
+            .map_err(failed)?;
+        let memories = rx
+            .await
+            .map_err(|_| RegistrarError::Failed("the cuda-registry thread is gone".into()))??;
+        tracing::info!(
+            instance = %instance_id,
+            device_id,
+            layers = import.views.len(),
+            allocations = memories.len(),
+            "cuda-vmm native v2 registration imported"
+        );
+        import.regions(&memories)
     }
 }
 
