@@ -76,9 +76,12 @@ pub trait PeerService: Send + Sync + 'static {
 pub trait PeerFetcher: Send + Sync + 'static {
     /// The backend kind (metric label).
     fn kind(&self) -> &'static str;
-    /// Whether `node` (an advertised `ip:port`) failed or timed out recently: the stack
-    /// skips it and falls through to the lower tiers.
-    fn is_suspect(&self, node: &str) -> bool;
+    /// Whether to skip asking `node` (an advertised `ip:port`) for a run starting at
+    /// `first_hash`, and why (a metric label): `"suspect"` when the node failed or timed out
+    /// recently, `"stale"` when it recently answered that it does not hold `first_hash`
+    /// although the directory said so (a stale advertisement: asking again would loop).
+    /// `None`: ask. The stack then falls through to the lower tiers.
+    fn skip(&self, node: &str, first_hash: &[u8]) -> Option<&'static str>;
     /// Fetches `keys` (a prefix-ordered run the directory says `node` holds) into host
     /// buffers from `stack`. Returns the blocks that landed whole, a prefix of `keys`
     /// (empty on any failure: the node is then marked suspect, except when it merely held

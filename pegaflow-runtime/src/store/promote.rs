@@ -13,7 +13,7 @@
 //! With a peer rung installed ([`TierStack::set_peer`]: a `[peer]` that fetches and a
 //! `[directory]`), the ladder starts one step higher: the directory's cover plan for the
 //! continuation names the node with the longest run (this node excluded); unless that node
-//! is suspect, the task asks the [`PeerFetcher`] for that run first, then falls through to
+//! is suspect or recently denied holding the run's first block, the task asks the [`PeerFetcher`] for that run first, then falls through to
 //! the lower tiers for whatever is still missing, then to a miss, all in the same task and
 //! under the same deadline. A fetched block enters the index like any promoted block (the
 //! directory publisher advertises it once it is resident).
@@ -122,7 +122,7 @@ impl TierStack {
     }
 
     /// The node the directory places the continuation `rest` on, with the length of its
-    /// run, unless it is suspect.
+    /// run, unless the fetcher says to skip it (suspect, or a stale advertisement).
     async fn peer_plan(
         &self,
         rung: &PeerRung,
@@ -135,10 +135,15 @@ impl TierStack {
         if len == 0 {
             return None;
         }
-        if rung.fetcher.is_suspect(&first.node) {
+        if let Some(why) = rung.fetcher.skip(&first.node, &rest[0]) {
+            let outcome = if why == "stale" {
+                "skipped_stale"
+            } else {
+                "skipped_suspect"
+            };
             self.metrics
                 .tier_promotions
-                .with_label_values(&["peer", "skipped_suspect"])
+                .with_label_values(&["peer", outcome])
                 .inc_by(len as u64);
             return None;
         }

@@ -18,7 +18,8 @@
 //! Failure: a holder that times out, is unreachable, refuses, or answers garbage is marked
 //! suspect for `suspect_secs` (the stack skips it and falls through to the lower tiers);
 //! a holder that simply held fewer blocks than the directory said (a stale advertisement)
-//! is not, and its short answer ends the rung (no retry).
+//! is not: its short answer ends the rung, and the node is not asked for that continuation
+//! again for `stale_secs` (no retry loop).
 
 use std::collections::HashMap;
 use std::net::SocketAddr;
@@ -51,6 +52,8 @@ pub struct FetchLimits {
     pub connect_timeout: Duration,
     /// How long a failed peer is skipped.
     pub suspect_for: Duration,
+    /// How long a node that denied holding an advertised block is not asked for it again.
+    pub stale_for: Duration,
     /// Bytes one fetch reads at most.
     pub max_fetch_bytes: u64,
 }
@@ -93,8 +96,14 @@ pub struct Fetcher {
     limits: FetchLimits,
     peers: Mutex<HashMap<String, Peer>>,
     suspects: Mutex<HashMap<String, Instant>>,
+    /// `(node, hash)` a node answered it does not hold, though the directory listed it,
+    /// until when: the next query of that continuation skips the node (no retry loop).
+    stale: Mutex<HashMap<(String, Vec<u8>), Instant>>,
     metrics: PeerMetrics,
 }
+
+/// Stale advertisements remembered at most (beyond it, expired ones go, then all).
+const MAX_STALE: usize = 65_536;
 
 impl std::fmt::Debug for Fetcher {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -166,6 +175,7 @@ impl Fetcher {
             limits,
             peers: Mutex::new(HashMap::new()),
             suspects: Mutex::new(HashMap::new()),
+            stale: Mutex::new(HashMap::new()),
             metrics,
         }
     }
@@ -178,6 +188,21 @@ impl Fetcher {
         self.metrics.suspect_peers.set(s.len() as i64);
         // Reconnect and handshake afresh next time.
         self.peers.lock().remove(node);
+    }
+
+    fn note_stale(&self, node: &str, hash: &[u8]) {
+        let mut s = self.stale.lock();
+        let now = Instant::now();
+        if s.len() >= MAX_STALE {
+            s.retain(|_, until| *until > now);
+            if s.len() >= MAX_STALE {
+                s.clear();
+            }
+        }
+        s.insert(
+            (node.to_owned(), hash.to_vec()),
+            now + self.limits.stale_for,
+        );
     }
 
     fn client(&self, node: &str) -> Result<(Client, Option<String>), Failure> {
@@ -297,11 +322,13 @@ impl Fetcher {
             tracing::debug!(node, error = %e, "peer answer unusable from here on");
         }
         if shapes.len() < keys.len() {
-            // A stale advertisement (or an unusable answer): take what there is, no retry.
+            // A stale advertisement (or an unusable answer): take what there is, and skip
+            // this node for the rest of the run for a while (no retry loop).
             self.metrics
                 .fetch_failures
                 .with_label_values(&["short"])
                 .inc();
+            self.note_stale(node, &keys[shapes.len()].hash);
         }
         if shapes.is_empty() {
             return Ok(Vec::new());
@@ -392,11 +419,26 @@ impl PeerFetcher for Fetcher {
         self.data.kind()
     }
 
-    fn is_suspect(&self, node: &str) -> bool {
-        self.suspects
+    fn skip(&self, node: &str, first_hash: &[u8]) -> Option<&'static str> {
+        let now = Instant::now();
+        if self
+            .suspects
             .lock()
             .get(node)
-            .is_some_and(|until| *until > Instant::now())
+            .is_some_and(|until| *until > now)
+        {
+            return Some("suspect");
+        }
+        let key = (node.to_owned(), first_hash.to_vec());
+        let mut stale = self.stale.lock();
+        match stale.get(&key) {
+            Some(until) if *until > now => Some("stale"),
+            Some(_) => {
+                stale.remove(&key);
+                None
+            }
+            None => None,
+        }
     }
 
     async fn fetch(
@@ -407,7 +449,7 @@ impl PeerFetcher for Fetcher {
         expect: Option<&BlockShape>,
         deadline: Instant,
     ) -> Vec<Arc<SealedBlock>> {
-        if keys.is_empty() || self.is_suspect(node) {
+        if keys.is_empty() || self.skip(node, &keys[0].hash).is_some() {
             return Vec::new();
         }
         let t0 = Instant::now();

@@ -84,6 +84,10 @@ pub struct TcpPeerConfig {
     /// How long a peer that failed or timed out is skipped, in seconds.
     #[serde(default = "default_suspect_secs")]
     pub suspect_secs: u64,
+    /// How long a peer that answered it does not hold an advertised block (a stale
+    /// directory entry) is not asked for that continuation again, in seconds.
+    #[serde(default = "default_stale_secs")]
+    pub stale_secs: u64,
     /// Bytes one fetch reads at most.
     #[serde(default = "default_max_fetch_bytes")]
     pub max_fetch_bytes: u64,
@@ -126,6 +130,9 @@ fn default_connect_timeout_ms() -> u64 {
 fn default_suspect_secs() -> u64 {
     30
 }
+fn default_stale_secs() -> u64 {
+    10
+}
 fn default_max_fetch_bytes() -> u64 {
     4 << 30
 }
@@ -147,6 +154,7 @@ impl Default for TcpPeerConfig {
             fetch_timeout_ms: default_fetch_timeout_ms(),
             connect_timeout_ms: default_connect_timeout_ms(),
             suspect_secs: default_suspect_secs(),
+            stale_secs: default_stale_secs(),
             max_fetch_bytes: default_max_fetch_bytes(),
             numa_node: default_numa(),
         }
@@ -395,6 +403,7 @@ fn build(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn PeerSe
                 fetch_timeout: Duration::from_millis(c.fetch_timeout_ms),
                 connect_timeout: Duration::from_millis(c.connect_timeout_ms),
                 suspect_for: Duration::from_secs(c.suspect_secs),
+                stale_for: Duration::from_secs(c.stale_secs),
                 max_fetch_bytes: c.max_fetch_bytes,
             },
             metrics.clone(),
@@ -428,6 +437,7 @@ inventory::submit! {
                 PluginOption { name: "fetch_timeout_ms", help: "longest fetch from a peer (lock, pull, release), in ms" },
                 PluginOption { name: "connect_timeout_ms", help: "longest wait for a connection to a peer, in ms" },
                 PluginOption { name: "suspect_secs", help: "how long a peer that failed or timed out is skipped, in seconds" },
+                PluginOption { name: "stale_secs", help: "how long a peer that denied holding an advertised block is not asked for that run again, in seconds" },
                 PluginOption { name: "max_fetch_bytes", help: "bytes one fetch reads at most" },
                 PluginOption { name: "numa_node", help: "NUMA node reported for this pool's slots (-1 = unknown); requesters ignore it" },
             ],

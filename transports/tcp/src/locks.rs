@@ -123,6 +123,7 @@ impl Locks {
 
     fn gauges(&self, inner: &Inner) {
         self.metrics.locks_held.set(inner.held_blocks as i64);
+        self.metrics.lock_active.set(inner.held_blocks as i64);
         self.metrics.lock_sessions.set(inner.sessions.len() as i64);
     }
 

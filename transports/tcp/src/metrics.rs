@@ -11,6 +11,8 @@ use prometheus::{Histogram, HistogramOpts, IntCounter, IntCounterVec, IntGauge, 
 pub struct PeerMetrics {
     /// Blocks locked by live transfer sessions (source side).
     pub locks_held: IntGauge,
+    /// The same number under PegaFlow's name (`transfer_lock_active`).
+    pub lock_active: IntGauge,
     /// Live transfer sessions (source side).
     pub lock_sessions: IntGauge,
     /// Sessions ended, by reason: `released` (ReleaseTransferLock), `disconnect` (the
@@ -65,6 +67,10 @@ impl PeerMetrics {
             locks_held: g(
                 "pegaflow_transfer_locks_held",
                 "Blocks locked by live transfer sessions for peers",
+            ),
+            lock_active: g(
+                "pegaflow_transfer_lock_active",
+                "Blocks locked for peers (PegaFlow's name of pegaflow_transfer_locks_held)",
             ),
             lock_sessions: g(
                 "pegaflow_transfer_lock_sessions",

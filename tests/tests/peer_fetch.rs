@@ -1,0 +1,436 @@
+//! Peer fetch over TCP between `pegaflow-server` processes on loopback, with the directory
+//! in a real `redis-server`:
+//! - a block saved on one node is fetched by another (Loading, then Ready), loads byte-exact
+//!   there, and is advertised by the requester once resident; the source's locks return to 0;
+//! - the source killed mid-transfer: the query falls through within its deadline, nothing
+//!   half-fetched is served;
+//! - the source frozen (SIGSTOP): the fetch times out, the source is suspect and skipped;
+//! - the requester killed mid-transfer: the source's locks return to 0 within a second;
+//! - a stale advertisement: one short answer per request, no retry loop, no suspect mark;
+//! - a source advertising a foreign NUMA node: the fetch lands, nothing local is evicted;
+//! - two nodes fetching from each other at the same moment: both land, neither panics.
+//!
+//! Skips (printing `SKIP:`) without `redis-server` or a built `pegaflow-server`.
+
+mod peer_support;
+
+use std::time::{Duration, Instant};
+
+use nix::sys::signal::Signal;
+use peer_support::*;
+use pegaflow_runtime::{directory_factory, NodeId, RuntimeContext};
+use pegaflow_tests::harness::KvShape;
+use pegaflow_tests::redis::RedisServer;
+// Link the directory backends so their factories register (the stale-advertisement test
+// writes a fake entry).
+use pegaflow_directory as _;
+
+/// 2 layers × 64 blocks × 4 KiB segments: 16 KiB per block.
+const SMALL: KvShape = KvShape {
+    layers: 2,
+    num_blocks: 64,
+    segment_bytes: 4096,
+};
+
+/// 4 layers × 64 blocks × 256 KiB segments: 2 MiB per block, 128 MiB for all 64 (a
+/// transfer long enough to be interrupted).
+const BIG: KvShape = KvShape {
+    layers: 4,
+    num_blocks: 64,
+    segment_bytes: 256 << 10,
+};
+
+struct Env {
+    bin: std::path::PathBuf,
+    redis: RedisServer,
+}
+
+fn env(test: &str) -> Option<Env> {
+    let bin = server_bin(test)?;
+    let redis = RedisServer::start(test)?;
+    Some(Env { bin, redis })
+}
+
+impl Env {
+    fn opts(&self, prefix: &str) -> NodeOpts {
+        NodeOpts {
+            directory: Some((self.redis.url(), format!("pf:{prefix}:"))),
+            ..NodeOpts::default()
+        }
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_block_saved_on_one_node_is_fetched_by_another_byte_exact() {
+    let Some(env) = env("a_block_saved_on_one_node_is_fetched_by_another_byte_exact") else {
+        return;
+    };
+    let o = env.opts("basic");
+    let a = Node::start(&env.bin, "source", &o);
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let hs = hashes("basic", 24);
+    save(&mut wa, 0, &hs).await;
+
+    let s = settle_all(&mut wb, &hs, 24, Duration::from_secs(15)).await;
+    assert!(s.loading > 0, "the fetch was answered Loading first: {s:?}");
+    load_exact(&mut wb, &s.lease, 30, &hs).await;
+
+    assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 24.0);
+    assert_eq!(
+        b.metric("pegaflow_peer_fetch_bytes_total", &[]),
+        24.0 * (SMALL.layers * 2 * SMALL.segment_bytes) as f64
+    );
+    assert_eq!(
+        b.metric(
+            "pegaflow_tier_promotions_total",
+            &[("tier", "peer"), ("outcome", "promoted")]
+        ),
+        24.0
+    );
+    // The source released the lock (the release is sent after the pull).
+    let released = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) == 0.0
+    })
+    .await;
+    assert!(released.is_some(), "the source's locks return to 0");
+    assert_eq!(
+        a.metric(
+            "pegaflow_transfer_lock_releases_total",
+            &[("reason", "released")]
+        ),
+        1.0
+    );
+    // A re-query is a DRAM hit on the requester: no second fetch.
+    let again = settle(&mut wb, &hs, "again", Duration::from_secs(5)).await;
+    assert_eq!((again.hits, again.loading), (24, 0));
+    assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 24.0);
+    // The requester advertises what it fetched (once resident): a third node sees a plan
+    // covering the blocks, and may fetch from either.
+    let c = Node::start(&env.bin, "third", &o);
+    let mut wc = worker(&c, "inst-c", SMALL).await;
+    let s = settle_all(&mut wc, &hs, 24, Duration::from_secs(15)).await;
+    load_exact(&mut wc, &s.lease, 0, &hs).await;
+}
+
+/// The source is killed while the requester pulls 128 MiB from it: the query ends within
+/// the fetch deadline (Ready with nothing, or everything if the pull won the race), and
+/// whatever it answers loads byte-exact; no partly fetched block is ever indexed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_source_killed_mid_transfer_falls_through_within_the_deadline() {
+    let Some(env) = env("the_source_killed_mid_transfer_falls_through_within_the_deadline") else {
+        return;
+    };
+    let mut o = env.opts("kill-source");
+    o.pool_bytes = 320 << 20;
+    let mut a = Node::start(&env.bin, "source", &o);
+    o.peer = Some("connections_per_peer = 1\nfetch_timeout_ms = 2500".into());
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wa = worker(&a, "inst-a", BIG).await;
+    let mut wb = worker(&b, "inst-b", BIG).await;
+    let hs = hashes("kill-source", 64);
+    save(&mut wa, 0, &hs).await;
+    // Wait until the directory lists the source for the whole run (from the requester's
+    // side: a small probe fetch of the first block succeeds).
+    let probe = settle_all(&mut wb, &hs[..1], 1, Duration::from_secs(15)).await;
+    wb.client.release(&probe.lease).await.expect("release");
+
+    let t0 = Instant::now();
+    let first = wb
+        .client
+        .query(&wb.instance_id, hs.clone(), "victim")
+        .await
+        .expect("query");
+    assert!(
+        matches!(first, pegaflow_api::client::QueryOutcome::Loading),
+        "the rest of the run is fetched: Loading"
+    );
+    // Kill the source as soon as it has locked the run (the pull follows at once).
+    let locked = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) > 0.0
+    })
+    .await;
+    a.kill();
+    let s = settle(&mut wb, &hs, "victim", Duration::from_secs(5)).await;
+    let took = t0.elapsed();
+    assert!(
+        took < Duration::from_millis(2500 + 1500),
+        "the query settled within the fetch deadline: {took:?}"
+    );
+    let failures = b.metric("pegaflow_peer_fetch_failures_total", &[]);
+    println!(
+        "source killed {}; answer {} hits after {took:?}; fetch failures {failures}",
+        if locked.is_some() {
+            "after it locked the run"
+        } else {
+            "before it locked (the probe held it)"
+        },
+        s.hits
+    );
+    // Either the pull failed (nothing of it is served) or it had completed before the kill.
+    assert!(s.hits == 1 || s.hits == 64, "no partial block: {s:?}");
+    if s.hits == 64 {
+        assert_eq!(failures, 0.0);
+    } else {
+        assert!(failures >= 1.0, "the failed pull is counted");
+    }
+    load_exact(&mut wb, &s.lease, 0, &hs[..s.hits as usize]).await;
+}
+
+/// A frozen source (SIGSTOP) answers nothing: the fetch times out within its deadline, the
+/// source is marked suspect, and the next query skips it at once (no Loading).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_source_times_out_and_is_suspect() {
+    let Some(env) = env("a_frozen_source_times_out_and_is_suspect") else {
+        return;
+    };
+    let o = env.opts("sigstop");
+    let a = Node::start(&env.bin, "source", &o);
+    let mut ob = o.clone();
+    ob.peer = Some("fetch_timeout_ms = 800\nsuspect_secs = 60".into());
+    let b = Node::start(&env.bin, "requester", &ob);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let hs = hashes("sigstop", 8);
+    save(&mut wa, 0, &hs).await;
+    // The directory lists the source (its session lives 30 s without heartbeats).
+    wait_listed(&env, "sigstop", &a, &hs).await;
+    a.signal(Signal::SIGSTOP);
+    let s = settle(&mut wb, &hs, "frozen", Duration::from_secs(5)).await;
+    assert_eq!(s.hits, 0);
+    assert!(s.loading > 0);
+    assert!(
+        s.took < Duration::from_millis(800 + 700),
+        "timed out within the fetch deadline: {:?}",
+        s.took
+    );
+    assert_eq!(
+        b.metric(
+            "pegaflow_peer_fetch_failures_total",
+            &[("reason", "timeout")]
+        ),
+        1.0
+    );
+    assert_eq!(b.metric("pegaflow_peer_suspect_nodes", &[]), 1.0);
+    // Skipped while suspect: Ready at once, no second fetch.
+    let s = settle(&mut wb, &hs, "frozen-again", Duration::from_secs(2)).await;
+    assert_eq!((s.hits, s.loading), (0, 0));
+    assert!(
+        b.metric(
+            "pegaflow_tier_promotions_total",
+            &[("tier", "peer"), ("outcome", "skipped_suspect")]
+        ) >= 8.0
+    );
+    assert_eq!(b.metric("pegaflow_peer_fetch_failures_total", &[]), 1.0);
+    a.signal(Signal::SIGCONT);
+}
+
+/// The requester dies while it pulls: its data connections close, and the source releases
+/// its locks at once (well inside the 5 s lease).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requester_killed_mid_transfer_frees_the_sources_locks_within_a_second() {
+    let Some(env) = env("a_requester_killed_mid_transfer_frees_the_sources_locks_within_a_second")
+    else {
+        return;
+    };
+    let mut o = env.opts("kill-requester");
+    o.pool_bytes = 320 << 20;
+    let a = Node::start(&env.bin, "source", &o);
+    let mut wa = worker(&a, "inst-a", BIG).await;
+    let hs = hashes("kill-requester", 64);
+    save(&mut wa, 0, &hs).await;
+    wait_listed(&env, "kill-requester", &a, &hs).await;
+    let mut ob = o.clone();
+    ob.peer = Some("connections_per_peer = 1\nfetch_timeout_ms = 5000".into());
+    ob.promote_deadline_ms = 10_000;
+    let mut b = Node::start(&env.bin, "requester", &ob);
+    let mut wb = worker(&b, "inst-b", BIG).await;
+    let q = wb
+        .client
+        .query(&wb.instance_id, hs.clone(), "doomed")
+        .await
+        .expect("query");
+    assert!(matches!(q, pegaflow_api::client::QueryOutcome::Loading));
+    let locked = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) > 0.0
+    })
+    .await;
+    assert!(locked.is_some(), "the requester locked the run");
+    b.kill();
+    let t0 = Instant::now();
+    let freed = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) == 0.0
+    })
+    .await;
+    let how = (
+        a.metric(
+            "pegaflow_transfer_lock_releases_total",
+            &[("reason", "disconnect")],
+        ),
+        a.metric(
+            "pegaflow_transfer_lock_releases_total",
+            &[("reason", "released")],
+        ),
+    );
+    println!("locks freed after {freed:?} (from the kill: {:?}); releases by disconnect / by RPC: {how:?}", t0.elapsed());
+    let freed = freed.expect("the source's locks return to 0");
+    assert!(freed < Duration::from_secs(1), "within a second: {freed:?}");
+    assert!(
+        how.0 + how.1 >= 1.0,
+        "the session ended by the disconnect (or by the release, had the pull finished first)"
+    );
+    assert_eq!(a.metric("pegaflow_transfer_lock_timeouts_total", &[]), 0.0);
+}
+
+/// The directory lists a node that does not hold the blocks (its entry outlived them): the
+/// requester asks it once, gets a short answer, answers Ready with what DRAM holds, does not
+/// mark the node suspect, and does not ask it for that run again (re-polls and new requests
+/// alike) while the denial is remembered.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stale_advertisement_gets_one_short_answer_and_no_retry_loop() {
+    let Some(env) = env("a_stale_advertisement_gets_one_short_answer_and_no_retry_loop") else {
+        return;
+    };
+    let o = env.opts("stale");
+    // The stale holder serves peers but has no directory of its own; the test advertises
+    // blocks in its name that it never held.
+    let holder = Node::start(
+        &env.bin,
+        "stale-holder",
+        &NodeOpts {
+            directory: None,
+            ..o.clone()
+        },
+    );
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let mine = hashes("stale-local", 4);
+    save(&mut wb, 40, &mine).await;
+    let hs = hashes("stale", 8);
+    let mut settings = toml::Table::new();
+    settings.insert("url".into(), env.redis.url().into());
+    settings.insert("key_prefix".into(), "pf:stale:".into());
+    settings.insert("stale_after_secs".into(), 30.into());
+    let dir = (directory_factory("redis").unwrap().build)(&settings, &RuntimeContext::default())
+        .expect("a redis directory client");
+    let fake = NodeId::new_session(holder.addr());
+    dir.heartbeat(&fake).await.expect("heartbeat");
+    dir.insert(&fake, NS, &hs).await.expect("insert");
+
+    let s = settle(&mut wb, &hs, "stale-req", Duration::from_secs(5)).await;
+    assert_eq!(s.hits, 0);
+    assert!(s.loading > 0, "the advertisement was believed once");
+    // Re-polls of the same request, and new requests for the same run, do not ask the
+    // node again while its denial is remembered (stale_secs): Ready at once, no Loading.
+    for req in ["stale-req", "stale-req", "stale-req-2", "stale-req-3"] {
+        let again = settle(&mut wb, &hs, req, Duration::from_secs(2)).await;
+        assert_eq!((again.hits, again.loading), (0, 0), "{req}");
+    }
+    assert!(
+        b.metric(
+            "pegaflow_tier_promotions_total",
+            &[("tier", "peer"), ("outcome", "skipped_stale")]
+        ) >= 32.0
+    );
+    let asked = holder.metric(
+        "pegaflow_rpc_requests_total",
+        &[("method", "query_blocks_for_transfer")],
+    );
+    assert_eq!(
+        asked, 1.0,
+        "one QueryBlocksForTransfer in all: no retry loop"
+    );
+    assert_eq!(
+        b.metric("pegaflow_peer_fetch_failures_total", &[("reason", "short")]),
+        1.0
+    );
+    assert_eq!(b.metric("pegaflow_peer_suspect_nodes", &[]), 0.0);
+    assert_eq!(b.metric("pegaflow_cache_block_evictions_total", &[]), 0.0);
+    let local = settle(&mut wb, &mine, "local", Duration::from_secs(2)).await;
+    assert_eq!(local.hits, 4, "the requester's own blocks are untouched");
+}
+
+/// A source that describes its pool on a NUMA node the requester does not have: the fetch
+/// lands byte-exact and allocates only what it reads; nothing the requester holds is
+/// evicted (PegaFlow's #386 evicted the whole local cache on such answers).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_foreign_numa_topology_causes_no_eviction_storm() {
+    let Some(env) = env("a_foreign_numa_topology_causes_no_eviction_storm") else {
+        return;
+    };
+    let mut o = env.opts("numa");
+    let mut oa = o.clone();
+    oa.peer = Some("numa_node = 7".into());
+    let a = Node::start(&env.bin, "source", &oa);
+    // Room for exactly 16 + 16 blocks of 16 KiB (plus the pool's rounding slack).
+    o.pool_bytes = 32 * 16 * 1024 + 64 * 1024;
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let mine = hashes("numa-local", 16);
+    save(&mut wb, 40, &mine).await;
+    let hs = hashes("numa", 16);
+    save(&mut wa, 0, &hs).await;
+    let s = settle_all(&mut wb, &hs, 16, Duration::from_secs(15)).await;
+    load_exact(&mut wb, &s.lease, 0, &hs).await;
+    assert_eq!(b.metric("pegaflow_cache_block_evictions_total", &[]), 0.0);
+    let local = settle(&mut wb, &mine, "local", Duration::from_secs(2)).await;
+    assert_eq!(local.hits, 16, "every local block is still resident");
+}
+
+/// Two nodes fetch from each other at the same moment (their first data connections cross):
+/// both land byte-exact, both keep serving.
+#[tokio::test(flavor = "multi_thread", worker_threads = 4)]
+async fn simultaneous_mutual_fetches_both_land() {
+    let Some(env) = env("simultaneous_mutual_fetches_both_land") else {
+        return;
+    };
+    let o = env.opts("mutual");
+    let mut a = Node::start(&env.bin, "a", &o);
+    let mut b = Node::start(&env.bin, "b", &o);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    for round in 0..3 {
+        let ha = hashes(&format!("mutual-a-{round}"), 8);
+        let hb = hashes(&format!("mutual-b-{round}"), 8);
+        save(&mut wa, 0, &ha).await;
+        save(&mut wb, 0, &hb).await;
+        wait_listed(&env, "mutual", &a, &ha).await;
+        wait_listed(&env, "mutual", &b, &hb).await;
+        let (ra, rb) = (format!("x-{round}"), format!("y-{round}"));
+        let (sa, sb) = tokio::join!(
+            settle(&mut wa, &hb, &ra, Duration::from_secs(5)),
+            settle(&mut wb, &ha, &rb, Duration::from_secs(5)),
+        );
+        assert_eq!((sa.hits, sb.hits), (8, 8), "round {round}");
+        load_exact(&mut wa, &sa.lease, 20, &hb).await;
+        load_exact(&mut wb, &sb.lease, 20, &ha).await;
+    }
+    assert!(a.alive() && b.alive());
+    assert!(a.get("/health").is_some_and(|h| h.starts_with("ok")));
+    assert!(b.get("/health").is_some_and(|h| h.starts_with("ok")));
+}
+
+/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
+async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
+    let mut settings = toml::Table::new();
+    settings.insert("url".into(), env.redis.url().into());
+    settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
+    let dir = (directory_factory("redis").unwrap().build)(&settings, &RuntimeContext::default())
+        .expect("a redis directory client");
+    let t0 = Instant::now();
+    loop {
+        let plan = dir.query_prefix(NS, hs, None).await.unwrap_or_default();
+        if plan.len() == 1 && plan[0].node == node.addr() && plan[0].prefix_len as usize == hs.len()
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the directory does not list {} for the run: {plan:?}",
+            node.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
