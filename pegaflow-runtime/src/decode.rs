@@ -930,4 +930,157 @@ mod tests {
         let r = register(req).unwrap_err();
         assert_eq!(r.pending_fd, Some(("n1".to_string(), 2)));
     }
+
+    fn v2_request() -> pb::RegisterContextRequest {
+        pb::RegisterContextRequest {
+            instance_id: "v2-inst".into(),
+            tp_size: 1,
+            world_size: 1,
+            client_version: pb::NATIVE_V2_CLIENT_VERSION.into(),
+            layer_names: vec!["mla".into(), "idxk".into()],
+            num_blocks: vec![4, 4],
+            bytes_per_block: vec![100, 10],
+            kv_stride_bytes: vec![0, 0],
+            segments: vec![1, 1],
+            memory_kind: pb::MemoryKind::HostMemfd as i32,
+            native_allocations: vec![
+                pb::NativeAllocation {
+                    size_bytes: 400,
+                    cuda_ipc_handle: vec![],
+                },
+                pb::NativeAllocation {
+                    size_bytes: 40,
+                    cuda_ipc_handle: vec![],
+                },
+            ],
+            native_kv_tensors: vec![
+                pb::NativeKvTensor {
+                    offset_bytes: 0,
+                    size_bytes: 400,
+                    block_stride_bytes: 100,
+                    allocation_index: 0,
+                },
+                pb::NativeKvTensor {
+                    offset_bytes: 0,
+                    size_bytes: 40,
+                    block_stride_bytes: 10,
+                    allocation_index: 1,
+                },
+            ],
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn native_v2_decodes_allocations_and_views() {
+        let cmd = register(v2_request()).unwrap();
+        let RegistrationPayload::NativeV2 {
+            memory_kind,
+            allocations,
+            views,
+        } = &cmd.payload
+        else {
+            panic!("{:?}", cmd.payload)
+        };
+        assert_eq!(*memory_kind, pb::MemoryKind::HostMemfd as i32);
+        assert_eq!(allocations.len(), 2);
+        assert_eq!(views[1].allocation, 1);
+        assert_eq!(cmd.layers[1].block_stride_bytes, Some(10));
+        assert!(cmd.native());
+    }
+
+    #[test]
+    fn native_v2_bad_shapes_are_refused_naming_the_entry() {
+        type Edit = fn(&mut pb::RegisterContextRequest);
+        let cases: Vec<(Edit, &str)> = vec![
+            (
+                |r| r.native_alloc_size = 440,
+                "native_alloc_size (field 101) must be 0",
+            ),
+            (|r| r.memory_kind = 0, "memory_kind (field 102) > 0"),
+            (
+                |r| r.native_allocations[1].size_bytes = 0,
+                "native_allocations[1].size_bytes",
+            ),
+            (
+                |r| r.native_kv_tensors[1].allocation_index = 2,
+                "allocation_index 2 is not one of the 2",
+            ),
+            (
+                |r| r.native_kv_tensors[1].offset_bytes = 1,
+                "exceeds allocation 1 of 40 bytes",
+            ),
+            (
+                |r| r.native_kv_tensors[1].allocation_index = 0,
+                "native_allocations[1] is not used",
+            ),
+            (
+                |r| r.native_allocations[0].cuda_ipc_handle = vec![1; 64],
+                "carries a cuda_ipc_handle",
+            ),
+            (|r| r.layer_group_ids = vec![0, 1], "one storage group"),
+            (
+                |r| r.native_kv_tensors.truncate(1),
+                "native_kv_tensors has 1 entries",
+            ),
+            (
+                |r| r.instance_id = "bad/id".into(),
+                "must be 1-128 characters",
+            ),
+            (
+                |r| {
+                    r.memory_kind = pb::MemoryKind::CudaIpc as i32;
+                    r.native_allocations[0].cuda_ipc_handle = vec![1; 64];
+                    r.native_allocations[1].cuda_ipc_handle = vec![1; 63];
+                },
+                "cuda_ipc_handle is 63 bytes",
+            ),
+            (
+                |r| {
+                    r.memory_kind = pb::MemoryKind::CudaIpc as i32;
+                    r.native_allocations[0].cuda_ipc_handle = vec![1; 64];
+                    r.native_allocations[1].cuda_ipc_handle = vec![1; 64];
+                },
+                "carry the same CUDA IPC handle",
+            ),
+        ];
+        for (edit, want) in cases {
+            let mut r = v2_request();
+            edit(&mut r);
+            let rej = register(r).unwrap_err();
+            // Every refusal names the side-channel key, so its pending descriptors are closed.
+            assert_eq!(rej.pending_fd.as_ref().map(|k| k.1), Some(0), "{want}");
+            let m = invalid_message::<()>(Err(rej.error));
+            assert!(m.contains(want), "{want:?} not in {m:?}");
+        }
+    }
+
+    #[test]
+    fn native_revision_mismatch_is_a_precondition_both_ways() {
+        let mut r = v2_request();
+        r.client_version = pb::NATIVE_CLIENT_VERSION.into();
+        let e = register(r).unwrap_err();
+        assert_eq!(e.pending_fd, Some(("v2-inst".to_string(), 0)));
+        let m = e.error.to_string();
+        assert!(matches!(e.error, EngineError::FailedPrecondition(_)), "{m}");
+        assert!(
+            m.contains("client=0.25.1+native-v1") && m.contains("0.25.1+native-v2"),
+            "{m}"
+        );
+        let mut r = v2_request();
+        r.native_allocations.clear();
+        r.native_kv_tensors
+            .iter_mut()
+            .for_each(|t| t.allocation_index = 0);
+        r.native_alloc_size = 400;
+        let e = register(r).unwrap_err();
+        let m = e.error.to_string();
+        assert!(matches!(e.error, EngineError::FailedPrecondition(_)), "{m}");
+        assert!(
+            m.contains("client=0.25.1+native-v2") && m.contains("0.25.1+native-v1"),
+            "{m}"
+        );
+        assert!(accepts_client_version(pb::NATIVE_V2_CLIENT_VERSION));
+        assert!(!accepts_client_version("0.25.1+native-v3"));
+    }
 }

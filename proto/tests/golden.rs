@@ -884,3 +884,51 @@ fn query_responses_match_the_observed_forms() {
         other => panic!("{other:?}"),
     }
 }
+
+#[test]
+fn native_v2_fields_are_this_projects_numbers() {
+    // Native registration v2 adds fields 103 (RegisterContextRequest.native_allocations),
+    // 100 (NativeKvTensor.allocation_index), and 100/101 of NativeAllocation: none collides
+    // with a field 0.25.1 sends (all < 100, checked above).
+    let r = pb::RegisterContextRequest {
+        native_allocations: vec![pb::NativeAllocation {
+            size_bytes: 5,
+            cuda_ipc_handle: vec![7; 64],
+        }],
+        native_kv_tensors: vec![pb::NativeKvTensor {
+            allocation_index: 2,
+            ..Default::default()
+        }],
+        memory_kind: pb::MemoryKind::CudaIpc as i32,
+        ..Default::default()
+    };
+    let enc = r.encode_to_vec();
+    let mut buf = &enc[..];
+    let mut tags = Vec::new();
+    while !buf.is_empty() {
+        let (tag, wire) = prost::encoding::decode_key(&mut buf).unwrap();
+        tags.push(tag);
+        prost::encoding::skip_field(wire, tag, &mut buf, Default::default()).unwrap();
+    }
+    assert_eq!(tags, [100, 102, 103]);
+    // NativeKvTensor { allocation_index: 2 } is field 100 (varint): a0 06 02.
+    assert_eq!(
+        hex::encode(
+            pb::NativeKvTensor {
+                allocation_index: 2,
+                ..Default::default()
+            }
+            .encode_to_vec()
+        ),
+        "a00602"
+    );
+    // NativeAllocation: size_bytes = 100 (varint), cuda_ipc_handle = 101 (bytes).
+    let a = pb::NativeAllocation {
+        size_bytes: 5,
+        cuda_ipc_handle: vec![1],
+    }
+    .encode_to_vec();
+    assert_eq!(hex::encode(a), "a00605aa060101");
+    assert_eq!(pb::MemoryKind::CudaIpc as i32, 3);
+    assert_eq!(pb::NATIVE_V2_CLIENT_VERSION, "0.25.1+native-v2");
+}
