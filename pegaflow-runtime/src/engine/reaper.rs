@@ -22,7 +22,15 @@ impl Reaper {
             .name("registry-reaper".into())
             .spawn(move || {
                 while let Ok((item, done)) = rx.recv() {
-                    drop(item);
+                    // A release that panics (a driver wrapper gone wrong) must not take the
+                    // reaper, and every later release, down: the other items of a worker's
+                    // teardown are still dropped (a Vec drops its remaining elements while
+                    // unwinding), and the next job runs.
+                    let r =
+                        std::panic::catch_unwind(std::panic::AssertUnwindSafe(move || drop(item)));
+                    if r.is_err() {
+                        tracing::error!("a release on the reaper thread panicked");
+                    }
                     if let Some(d) = done {
                         let _ = d.send(());
                     }
@@ -49,5 +57,36 @@ impl Reaper {
     /// Drops `item` on the reaper thread without waiting (from synchronous code).
     pub fn release_detached<T: Send + 'static>(&self, item: T) {
         let _ = self.tx.send((Box::new(item), None));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    use std::sync::Arc;
+
+    use super::*;
+
+    struct Counted(Arc<AtomicUsize>, bool);
+    impl Drop for Counted {
+        fn drop(&mut self) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+            if self.1 {
+                panic!("release failed");
+            }
+        }
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_panicking_release_does_not_stop_the_others() {
+        let reaper = Reaper::start(4);
+        let n = Arc::new(AtomicUsize::new(0));
+        // The third of five allocations fails to release: the other four still go.
+        let items: Vec<Counted> = (0..5).map(|i| Counted(n.clone(), i == 2)).collect();
+        reaper.release(items).await;
+        assert_eq!(n.load(Ordering::SeqCst), 5);
+        // And the reaper is still there for the next teardown.
+        reaper.release(Counted(n.clone(), false)).await;
+        assert_eq!(n.load(Ordering::SeqCst), 6);
     }
 }
