@@ -147,7 +147,7 @@ pub struct StagedPlan {
     pub pieces: Vec<StagedPiece>,
     /// Every host copy, chunk after chunk.
     pub host_copies: Vec<HostCopy>,
-    /// The chunks, in order; chunk `i` uses staging buffer `i % 2`.
+    /// The chunks, in order; a worker runs chunk `i` on staging buffer `i % buffers`.
     pub chunks: Vec<ChunkSpan>,
     order: Vec<usize>,
     used: u64,
@@ -158,32 +158,43 @@ pub struct StagedPlan {
 impl StagedPlan {
     /// Plans `ops` into chunks of at most `chunk` bytes, replacing the previous plan.
     ///
-    /// Ops are taken in host-address order; consecutive ops that continue each other in host
-    /// memory share one host copy; a host copy never crosses an address in `boundaries`
-    /// (sorted ascending: where separately pinned ranges begin); staging offsets equal host
-    /// addresses modulo [`STAGING_ALIGN`]. `chunk` must be at least 2 × [`STAGING_ALIGN`].
+    /// Ops are taken in host-address order ([`HostOrder`]); consecutive ops that continue
+    /// each other in host memory share one host copy; a host copy never crosses an address in
+    /// `boundaries` (sorted ascending: where separately pinned ranges begin); staging offsets
+    /// equal host addresses modulo [`STAGING_ALIGN`]. `chunk` must be at least 2 ×
+    /// [`STAGING_ALIGN`].
     pub fn build(&mut self, ops: &[CopyOp], chunk: u64, boundaries: &[usize]) {
-        debug_assert!(chunk >= 2 * STAGING_ALIGN);
+        self.begin();
+        let mut scratch = std::mem::take(&mut self.order);
+        for i in HostOrder::new(ops, &mut scratch) {
+            self.push(&ops[i], chunk, boundaries);
+        }
+        self.order = scratch;
+        self.finish();
+    }
+
+    /// Starts a new plan (what [`StagedPlan::build`] does in one call, step by step, so that a
+    /// worker can issue each chunk as soon as it is closed): `begin`, then [`StagedPlan::push`]
+    /// every op in host-address order, then [`StagedPlan::finish`]. After each `push`,
+    /// `chunks` holds the chunks closed so far; a closed chunk never changes again.
+    pub fn begin(&mut self) {
         self.pieces.clear();
         self.host_copies.clear();
         self.chunks.clear();
         self.used = 0;
         self.chunk_pieces = 0;
         self.chunk_copies = 0;
-        if ops.windows(2).all(|w| w[0].host_addr <= w[1].host_addr) {
-            for op in ops {
-                self.place(op, chunk, boundaries);
-            }
-        } else {
-            let mut order = std::mem::take(&mut self.order);
-            order.clear();
-            order.extend(0..ops.len());
-            order.sort_by_key(|&i| ops[i].host_addr);
-            for &i in &order {
-                self.place(&ops[i], chunk, boundaries);
-            }
-            self.order = order;
-        }
+    }
+
+    /// Places one op (the next in host-address order) into the plan begun by
+    /// [`StagedPlan::begin`]; may close chunks.
+    pub fn push(&mut self, op: &CopyOp, chunk: u64, boundaries: &[usize]) {
+        debug_assert!(chunk >= 2 * STAGING_ALIGN);
+        self.place(op, chunk, boundaries);
+    }
+
+    /// Closes the last, partly filled chunk, if any.
+    pub fn finish(&mut self) {
         if self.pieces.len() > self.chunk_pieces {
             self.close_chunk();
         }
@@ -249,6 +260,87 @@ impl StagedPlan {
             h += take as usize;
             d += take;
             left -= take;
+        }
+    }
+}
+
+/// Most ascending runs [`HostOrder`] merges lazily; more are sorted up front.
+pub const MAX_MERGED_RUNS: usize = 256;
+
+/// The indices of a batch's ops in ascending host-address order (ties in index order),
+/// produced lazily so that planning can issue the first chunks before it has seen the last
+/// op:
+/// - ops already in host order (a Save of fresh blocks) are taken as they are;
+/// - ops made of up to [`MAX_MERGED_RUNS`] ascending runs (a Load lists its blocks layer by
+///   layer: one run per layer and segment) are merged with a heap, `O(log runs)` per op;
+/// - anything else is sorted once, up front.
+pub enum HostOrder<'a> {
+    /// `0..n`, already in order.
+    Sorted(std::ops::Range<usize>),
+    /// A k-way merge of ascending runs.
+    Merge {
+        /// The ops.
+        ops: &'a [CopyOp],
+        /// Per run: its next index and its end.
+        runs: Vec<(usize, usize)>,
+        /// The next op of every run not yet drained: (host address, run).
+        heap: std::collections::BinaryHeap<std::cmp::Reverse<(usize, usize)>>,
+    },
+    /// Sorted indices, drained in order.
+    Indices(std::vec::Drain<'a, usize>),
+}
+
+impl<'a> HostOrder<'a> {
+    /// The order of `ops`; `scratch` holds the sorted indices of the fallback.
+    pub fn new(ops: &'a [CopyOp], scratch: &'a mut Vec<usize>) -> Self {
+        let mut runs = Vec::new();
+        let mut start = 0;
+        for i in 1..ops.len() {
+            if ops[i].host_addr < ops[i - 1].host_addr {
+                runs.push((start, i));
+                start = i;
+                if runs.len() > MAX_MERGED_RUNS {
+                    break;
+                }
+            }
+        }
+        if runs.is_empty() {
+            return HostOrder::Sorted(0..ops.len());
+        }
+        if runs.len() <= MAX_MERGED_RUNS {
+            runs.push((start, ops.len()));
+            let heap = runs
+                .iter()
+                .enumerate()
+                .filter(|(_, r)| r.0 < r.1)
+                .map(|(k, r)| std::cmp::Reverse((ops[r.0].host_addr, k)))
+                .collect();
+            return HostOrder::Merge { ops, runs, heap };
+        }
+        scratch.clear();
+        scratch.extend(0..ops.len());
+        scratch.sort_by_key(|&i| ops[i].host_addr);
+        HostOrder::Indices(scratch.drain(..))
+    }
+}
+
+impl Iterator for HostOrder<'_> {
+    type Item = usize;
+
+    fn next(&mut self) -> Option<usize> {
+        match self {
+            HostOrder::Sorted(r) => r.next(),
+            HostOrder::Indices(d) => d.next(),
+            HostOrder::Merge { ops, runs, heap } => {
+                let std::cmp::Reverse((_, k)) = heap.pop()?;
+                let (next, end) = &mut runs[k];
+                let i = *next;
+                *next += 1;
+                if *next < *end {
+                    heap.push(std::cmp::Reverse((ops[*next].host_addr, k)));
+                }
+                Some(i)
+            }
         }
     }
 }
@@ -430,6 +522,62 @@ mod tests {
             b.sort_unstable();
             b.dedup();
             simulate(&ops, chunk_k * 512, &b, lens.len() * 5000 + 64, h + 16);
+            // The same ops listed out of host order (interleaved runs, as a Load lists them
+            // layer by layer) plan to the same bytes.
+            let stride = (perm_seed % 5 + 2) as usize;
+            let mut shuffled = Vec::new();
+            for start in 0..stride {
+                shuffled.extend(ops.iter().skip(start).step_by(stride).copied());
+            }
+            simulate(&shuffled, chunk_k * 512, &b, lens.len() * 5000 + 64, h + 16);
         }
+
+        #[test]
+        fn host_order_is_a_stable_sort(
+            hosts in proptest::collection::vec(0usize..400, 0..1200),
+            runs in 1usize..400,
+        ) {
+            // `runs` interleaved ascending runs (more than MAX_MERGED_RUNS takes the sort).
+            let mut ops: Vec<CopyOp> = Vec::new();
+            let mut sorted = hosts.clone();
+            sorted.sort_unstable();
+            for r in 0..runs {
+                ops.extend(sorted.iter().skip(r).step_by(runs).map(|&h| op(0, h, 1)));
+            }
+            let mut scratch = Vec::new();
+            let got: Vec<usize> = HostOrder::new(&ops, &mut scratch).collect();
+            let mut want: Vec<usize> = (0..ops.len()).collect();
+            want.sort_by_key(|&i| ops[i].host_addr);
+            prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn host_order_takes_the_cheap_path_it_can() {
+        let asc: Vec<CopyOp> = (0..10).map(|i| op(0, i * 8, 8)).collect();
+        let mut scratch = Vec::new();
+        assert!(matches!(
+            HostOrder::new(&asc, &mut scratch),
+            HostOrder::Sorted(_)
+        ));
+        // Two layers of five blocks each: two runs, merged.
+        let layers: Vec<CopyOp> = (0..2)
+            .flat_map(|l| (0..5).map(move |b| op(0, b * 64 + l * 8, 8)))
+            .collect();
+        assert!(matches!(
+            HostOrder::new(&layers, &mut scratch),
+            HostOrder::Merge { .. }
+        ));
+        let order: Vec<usize> = HostOrder::new(&layers, &mut scratch).collect();
+        assert_eq!(order, vec![0, 5, 1, 6, 2, 7, 3, 8, 4, 9]);
+        // A descending list has one run per op: sorted up front.
+        let desc: Vec<CopyOp> = (0..(MAX_MERGED_RUNS + 5))
+            .rev()
+            .map(|i| op(0, i * 8, 8))
+            .collect();
+        assert!(matches!(
+            HostOrder::new(&desc, &mut scratch),
+            HostOrder::Indices(_)
+        ));
     }
 }

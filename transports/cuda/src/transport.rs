@@ -2,11 +2,11 @@
 //! tier's host buffers.
 //!
 //! Owns: pinning the landing tier in the background ([`crate::pin`]); one worker thread per
-//! (device, direction), each with its own primary-context binding, two streams, two staging
-//! buffers, descriptor buffers and the copy kernel; choosing a path per batch ([`CopyPath`]):
+//! (device, direction), each with its own primary-context binding, `staging_buffers` streams
+//! and staging buffers (two by default), descriptor buffers and the copy kernel; choosing a path per batch ([`CopyPath`]):
 //! `Direct` (one `cuMemcpy*Async` per merged range), `Staged` (a gather/scatter kernel into a
-//! contiguous device staging buffer, then one large copy per host run, double-buffered on two
-//! streams) or `Mapped` (the kernel copies straight between device memory and mapped pinned
+//! contiguous device staging buffer, then one large copy per host run, chunk `i` on buffer and
+//! stream `i % staging_buffers`) or `Mapped` (the kernel copies straight between device memory and mapped pinned
 //! host memory); and completing each batch only after its streams synchronised.
 //!
 //! Must never: run a CUDA call on the async executor, report a batch as done before every byte
@@ -34,7 +34,9 @@ use tokio::sync::{mpsc, oneshot};
 
 use crate::driver::{check, driver, CudaError, Driver};
 use crate::pin::{PinSet, PinState, MAX_PIN_CHUNK};
-use crate::plan::{merge_ops, merged_stats, push_descs, split_at_boundaries, Desc, StagedPlan};
+use crate::plan::{
+    merge_ops, merged_stats, push_descs, split_at_boundaries, Desc, HostOrder, StagedPlan,
+};
 use crate::CUDA_DOMAIN;
 
 /// The copy kernel's PTX (generated from `kernels.cu`, see `examples/gen_ptx.rs`).
@@ -100,9 +102,13 @@ pub struct CudaTransportConfig {
     pub policy: Policy,
     /// `kernel_path`: `"staged"` (default) or `"mapped"`.
     pub kernel_path: KernelPath,
-    /// `staging_chunk`: bytes per staging buffer (two per worker), default 16 MiB.
+    /// `staging_chunk`: bytes per staging buffer, default 16 MiB.
     #[serde(with = "pegaflow_runtime::config::size")]
     pub staging_chunk: u64,
+    /// `staging_buffers`: staging buffers (and streams) per worker, 2 to 8, default 2. Chunk
+    /// `i` of a batch runs on buffer and stream `i % staging_buffers`, so this many chunks are
+    /// in flight at once.
+    pub staging_buffers: usize,
     /// `direct_min_bytes`: under `auto`, batches whose merged ranges average at least this
     /// many bytes take the direct path; default 8 MiB.
     #[serde(with = "pegaflow_runtime::config::size")]
@@ -126,6 +132,7 @@ impl Default for CudaTransportConfig {
             policy: Policy::Auto,
             kernel_path: KernelPath::Staged,
             staging_chunk: 16 << 20,
+            staging_buffers: 2,
             direct_min_bytes: 8 << 20,
             pin: true,
             pin_threads: std::thread::available_parallelism()
@@ -150,7 +157,11 @@ const OPTIONS: &[PluginOption] = &[
     },
     PluginOption {
         name: "staging_chunk",
-        help: "bytes per staging buffer (1 MiB to 1 GiB); each worker has two (per device and direction)",
+        help: "bytes per staging buffer (1 MiB to 1 GiB); each worker (per device and direction) has staging_buffers of them",
+    },
+    PluginOption {
+        name: "staging_buffers",
+        help: "staging buffers and streams per worker, 2 to 8: chunks in flight at once",
     },
     PluginOption {
         name: "direct_min_bytes",
@@ -194,6 +205,7 @@ impl CudaTransportConfig {
             Ok(())
         };
         range("staging_chunk", c.staging_chunk, 1 << 20, 1 << 30, " bytes")?;
+        range("staging_buffers", c.staging_buffers as u64, 2, 8, "")?;
         range("pin_threads", c.pin_threads as u64, 1, 256, "")?;
         range(
             "pin_chunk",
@@ -482,19 +494,37 @@ struct Worker {
     dir: Direction,
     cfg: CudaTransportConfig,
     pins: Option<Arc<PinSet>>,
-    streams: [sys::CUstream; 2],
-    done: [sys::CUevent; 2],
+    /// `staging_buffers` streams; chunk `i` of a staged batch runs on stream `i % len`.
+    streams: Vec<sys::CUstream>,
+    done: Vec<sys::CUevent>,
     uploaded: sys::CUevent,
     kernel: Option<sys::CUfunction>,
     grid_cap: u32,
-    staging: Option<[DevBuf; 2]>,
+    /// One staging buffer per stream.
+    staging: Option<Vec<DevBuf>>,
     staging_failed: bool,
     desc_dev: Option<DevBuf>,
     desc_host: (*mut c_void, usize),
     mapped: Vec<Option<u64>>,
     plan: StagedPlan,
     descs: Vec<Desc>,
-    desc_ranges: Vec<(usize, usize)>,
+    /// Host-mapped pinned pages the staged path's kernels read their descriptors from
+    /// (zero-copy, so a chunk is launched as soon as it is planned, with no upload ordered
+    /// before it). A batch appends to the last page and adds a page when it is full; nothing
+    /// is rewritten before the batch synchronised; the next batch starts by folding several
+    /// pages into one large enough for what the last batch needed.
+    desc_pages: Vec<DescPage>,
+    /// (page, byte offset) where the running batch's next descriptors go.
+    desc_cursor: (usize, usize),
+    /// Scratch of the host-order sort fallback.
+    order: Vec<usize>,
+}
+
+/// A host-mapped pinned page of kernel descriptors (see `Worker::desc_pages`).
+struct DescPage {
+    host: *mut c_void,
+    dev: u64,
+    cap: usize,
 }
 
 impl Worker {
@@ -507,7 +537,8 @@ impl Worker {
     ) -> Result<Self, CudaError> {
         drv.bind(ordinal)?;
         let sm = drv.device(ordinal).map(|d| d.sm_count).unwrap_or(1);
-        let mut streams: [sys::CUstream; 2] = [std::ptr::null_mut(); 2];
+        let n = cfg.staging_buffers.clamp(2, 8);
+        let mut streams: Vec<sys::CUstream> = vec![std::ptr::null_mut(); n];
         for s in &mut streams {
             check(
                 // SAFETY: out-pointer to a live array slot; the context is current.
@@ -519,7 +550,7 @@ impl Worker {
         }
         let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
             | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-        let mut done: [sys::CUevent; 2] = [std::ptr::null_mut(); 2];
+        let mut done: Vec<sys::CUevent> = vec![std::ptr::null_mut(); n];
         for e in &mut done {
             // SAFETY: out-pointer to a live array slot; the context is current.
             check(unsafe { sys::cuEventCreate(e, flags) }, "cuEventCreate")?;
@@ -563,7 +594,9 @@ impl Worker {
             mapped,
             plan: StagedPlan::default(),
             descs: Vec::new(),
-            desc_ranges: Vec::new(),
+            desc_pages: Vec::new(),
+            desc_cursor: (0, 0),
+            order: Vec::new(),
         };
         if w.kernel.is_some() {
             // Allocate the staging buffers up front rather than on the first batch.
@@ -572,10 +605,10 @@ impl Worker {
         Ok(w)
     }
 
-    /// Waits for everything enqueued on both streams.
+    /// Waits for everything enqueued on every stream.
     fn sync(&mut self) -> Result<(), CudaError> {
         let mut first = Ok(());
-        for k in 0..2 {
+        for k in 0..self.streams.len() {
             // SAFETY: the event and stream belong to this worker's context, which is current.
             let r = check(
                 unsafe { sys::cuEventRecord(self.done[k], self.streams[k]) },
@@ -682,28 +715,28 @@ impl Worker {
             return false;
         }
         let len = self.cfg.staging_chunk as usize;
-        let a = dev_alloc(len);
-        let b = dev_alloc(len);
-        match (a, b) {
-            (Ok(a), Ok(b)) => {
-                self.staging = Some([a, b]);
-                true
-            }
-            (a, b) => {
-                let err = a.as_ref().err().or(b.as_ref().err()).cloned();
-                for buf in [a, b].into_iter().flatten() {
-                    dev_free(&buf);
+        let mut bufs = Vec::with_capacity(self.streams.len());
+        for _ in 0..self.streams.len() {
+            match dev_alloc(len) {
+                Ok(b) => bufs.push(b),
+                Err(e) => {
+                    for b in &bufs {
+                        dev_free(b);
+                    }
+                    tracing::warn!(
+                        ordinal = self.ordinal,
+                        "no device memory for {} staging buffers ({len} bytes each): {}; using \
+                         direct copies",
+                        self.streams.len(),
+                        e.0
+                    );
+                    self.staging_failed = true;
+                    return false;
                 }
-                tracing::warn!(
-                    ordinal = self.ordinal,
-                    "no device memory for staging buffers ({len} bytes each): {}; using \
-                     direct copies",
-                    err.map(|e| e.0).unwrap_or_default()
-                );
-                self.staging_failed = true;
-                false
             }
         }
+        self.staging = Some(bufs);
+        true
     }
 
     fn direct(&mut self, ops: &[CopyOp]) -> Result<usize, CudaError> {
@@ -715,7 +748,7 @@ impl Worker {
             merged = split;
         }
         for (i, op) in merged.iter().enumerate() {
-            let s = self.streams[i % 2];
+            let s = self.streams[i % self.streams.len()];
             // SAFETY: the engine keeps the device mapping and the host buffer alive and
             // validated until this batch completes; run() synchronises before answering.
             let r = unsafe {
@@ -740,7 +773,7 @@ impl Worker {
     }
 
     /// Copies `descs` into the device descriptor buffer (through a pinned host buffer), on
-    /// stream 0; stream 1 waits for it.
+    /// stream 0; every other stream waits for it.
     fn upload(&mut self, descs: &[Desc]) -> Result<u64, CudaError> {
         let bytes = std::mem::size_of_val(descs);
         if self.desc_host.1 < bytes {
@@ -784,11 +817,13 @@ impl Worker {
             unsafe { sys::cuEventRecord(self.uploaded, self.streams[0]) },
             "cuEventRecord",
         )?;
-        check(
-            // SAFETY: as above.
-            unsafe { sys::cuStreamWaitEvent(self.streams[1], self.uploaded, 0) },
-            "cuStreamWaitEvent",
-        )?;
+        for s in &self.streams[1..] {
+            check(
+                // SAFETY: as above.
+                unsafe { sys::cuStreamWaitEvent(*s, self.uploaded, 0) },
+                "cuStreamWaitEvent",
+            )?;
+        }
         Ok(dev)
     }
 
@@ -836,89 +871,162 @@ impl Worker {
         Ok(())
     }
 
+    /// The staged path, streamed: ops are taken in host-address order ([`HostOrder`]) and
+    /// each staging chunk is issued (kernel and pinned copies on stream `i % buffers`) as soon
+    /// as the planner closes it, so the copy engine starts after the first chunk is planned
+    /// rather than after the whole batch. Returns the submissions enqueued.
     fn staged(&mut self, ops: &[CopyOp]) -> Result<usize, CudaError> {
         let boundaries = self
             .pins
             .as_ref()
             .map(|p| p.boundaries())
             .unwrap_or_default();
-        let bases = match &self.staging {
-            Some([a, b]) => [a.ptr, b.ptr],
+        let bases: Vec<u64> = match &self.staging {
+            Some(bufs) => bufs.iter().map(|b| b.ptr).collect(),
             None => return Err(CudaError("no staging buffers".into())),
         };
+        self.reset_desc_pages()?;
+        let chunk = self.cfg.staging_chunk;
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
-        let mut descs = std::mem::take(&mut self.descs);
-        let mut ranges = std::mem::take(&mut self.desc_ranges);
-        plan.build(ops, self.cfg.staging_chunk, &boundaries);
-        descs.clear();
-        ranges.clear();
-        for (i, c) in plan.chunks.iter().enumerate() {
-            let base = bases[i % 2];
-            let start = descs.len();
-            for p in &plan.pieces[c.pieces.clone()] {
-                match self.dir {
-                    Direction::ToHost => {
-                        push_descs(&mut descs, p.device_addr, base + p.staging_off, p.len)
-                    }
-                    Direction::ToDevice => {
-                        push_descs(&mut descs, base + p.staging_off, p.device_addr, p.len)
-                    }
-                }
+        let mut order = std::mem::take(&mut self.order);
+        plan.begin();
+        let mut issued = 0;
+        let mut submissions = 0;
+        let mut r = Ok(());
+        for i in HostOrder::new(ops, &mut order) {
+            plan.push(&ops[i], chunk, &boundaries);
+            while r.is_ok() && issued < plan.chunks.len() {
+                r = self
+                    .issue_chunk(&plan, issued, &bases)
+                    .map(|n| submissions += n);
+                issued += 1;
             }
-            ranges.push((start, descs.len() - start));
+            if r.is_err() {
+                break;
+            }
         }
-        let r = self.enqueue_staged(&plan, &descs, &ranges, bases);
+        if r.is_ok() {
+            plan.finish();
+            while r.is_ok() && issued < plan.chunks.len() {
+                r = self
+                    .issue_chunk(&plan, issued, &bases)
+                    .map(|n| submissions += n);
+                issued += 1;
+            }
+        }
         self.plan = plan;
-        self.descs = descs;
-        self.desc_ranges = ranges;
-        r
+        self.order = order;
+        r.map(|()| submissions)
     }
 
-    fn enqueue_staged(
+    /// Enqueues closed chunk `i` of `plan`: its descriptors into the descriptor pages, then
+    /// on stream `i % buffers` the gather kernel and the pinned copies (to the host) or the
+    /// pinned copies and the scatter kernel (to the device).
+    fn issue_chunk(
         &mut self,
         plan: &StagedPlan,
-        descs: &[Desc],
-        ranges: &[(usize, usize)],
-        bases: [u64; 2],
+        i: usize,
+        bases: &[u64],
     ) -> Result<usize, CudaError> {
-        let dev = self.upload(descs)?;
-        let mut submissions = 0;
-        for (i, c) in plan.chunks.iter().enumerate() {
-            let s = self.streams[i % 2];
-            let base = bases[i % 2];
-            let (first, count) = ranges[i];
-            if self.dir == Direction::ToHost {
-                self.launch(dev, first, count, s)?;
+        let c = &plan.chunks[i];
+        let s = self.streams[i % self.streams.len()];
+        let base = bases[i % bases.len()];
+        let mut descs = std::mem::take(&mut self.descs);
+        descs.clear();
+        for p in &plan.pieces[c.pieces.clone()] {
+            match self.dir {
+                Direction::ToHost => {
+                    push_descs(&mut descs, p.device_addr, base + p.staging_off, p.len)
+                }
+                Direction::ToDevice => {
+                    push_descs(&mut descs, base + p.staging_off, p.device_addr, p.len)
+                }
             }
-            for hc in &plan.host_copies[c.host_copies.clone()] {
-                // SAFETY: the staging buffer holds `staging_off + len` bytes (plan bound); the
-                // host range lies in a live buffer; the stream orders this after the gather
-                // (ToHost) or before the scatter (ToDevice), and before the buffer's next use.
-                let r = unsafe {
-                    match self.dir {
-                        Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(
-                            hc.host_addr as *mut c_void,
-                            base + hc.staging_off,
-                            hc.len,
-                            s,
-                        ),
-                        Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(
-                            base + hc.staging_off,
-                            hc.host_addr as *const c_void,
-                            hc.len,
-                            s,
-                        ),
-                    }
-                };
-                check(r, "cuMemcpyAsync (staging)")?;
-            }
-            if self.dir == Direction::ToDevice {
-                self.launch(dev, first, count, s)?;
-            }
-            submissions += c.host_copies.len() + 1;
         }
-        Ok(submissions)
+        let dev = self.stage_descs(&descs);
+        let count = descs.len();
+        self.descs = descs;
+        let dev = dev?;
+        if self.dir == Direction::ToHost {
+            self.launch(dev, 0, count, s)?;
+        }
+        for hc in &plan.host_copies[c.host_copies.clone()] {
+            // SAFETY: the staging buffer holds `staging_off + len` bytes (plan bound); the
+            // host range lies in a live buffer; the stream orders this after the gather
+            // (ToHost) or before the scatter (ToDevice), and before the buffer's next use.
+            let r = unsafe {
+                match self.dir {
+                    Direction::ToHost => sys::cuMemcpyDtoHAsync_v2(
+                        hc.host_addr as *mut c_void,
+                        base + hc.staging_off,
+                        hc.len,
+                        s,
+                    ),
+                    Direction::ToDevice => sys::cuMemcpyHtoDAsync_v2(
+                        base + hc.staging_off,
+                        hc.host_addr as *const c_void,
+                        hc.len,
+                        s,
+                    ),
+                }
+            };
+            check(r, "cuMemcpyAsync (staging)")?;
+        }
+        if self.dir == Direction::ToDevice {
+            self.launch(dev, 0, count, s)?;
+        }
+        Ok(c.host_copies.len() + 1)
+    }
+
+    /// Starts a batch's descriptor pages: after the previous batch synchronised, nothing
+    /// reads them; several pages are folded into one as large as all of them together.
+    fn reset_desc_pages(&mut self) -> Result<(), CudaError> {
+        if self.desc_pages.len() > 1 {
+            let want: usize = self.desc_pages.iter().map(|p| p.cap).sum();
+            for p in self.desc_pages.drain(..) {
+                free_desc_page(&p);
+            }
+            self.desc_pages
+                .push(alloc_desc_page(want.next_power_of_two())?);
+        }
+        self.desc_cursor = (0, 0);
+        Ok(())
+    }
+
+    /// Copies `descs` into the running batch's descriptor pages (a new page when the last
+    /// one is full) and answers their device address.
+    fn stage_descs(&mut self, descs: &[Desc]) -> Result<u64, CudaError> {
+        let bytes = std::mem::size_of_val(descs);
+        let (mut page, mut off) = self.desc_cursor;
+        // Pages are only appended within a batch: the cursor is on the last one, or there is
+        // none yet.
+        if self
+            .desc_pages
+            .get(page)
+            .is_none_or(|p| p.cap - off < bytes)
+        {
+            let last = self.desc_pages.last().map_or(0, |p| p.cap);
+            let cap = bytes.next_power_of_two().max(last * 2).max(256 << 10);
+            self.desc_pages.push(alloc_desc_page(cap)?);
+            (page, off) = (self.desc_pages.len() - 1, 0);
+        }
+        let p = &self.desc_pages[page];
+        // SAFETY: the page holds `cap - off >= bytes` bytes from `off`, and no kernel of this
+        // batch reads that part (each chunk gets its own range; earlier batches synchronised);
+        // Desc is plain old data. The writes precede the launch that reads them in program
+        // order, and the launch makes them visible to the device.
+        unsafe {
+            std::ptr::copy_nonoverlapping(
+                descs.as_ptr().cast::<u8>(),
+                p.host.cast::<u8>().add(off),
+                bytes,
+            )
+        };
+        let dev = p.dev + off as u64;
+        // Keep every chunk's descriptors 16-byte aligned.
+        self.desc_cursor = (page, (off + bytes).next_multiple_of(16));
+        Ok(dev)
     }
 
     /// The device pointer of pinned chunk `i` in this worker's context (looked up once).
@@ -991,6 +1099,9 @@ impl Drop for Worker {
             if !self.desc_host.0.is_null() {
                 let _ = sys::cuMemFreeHost(self.desc_host.0);
             }
+            for p in self.desc_pages.drain(..) {
+                free_desc_page(&p);
+            }
             for e in self.done.iter().chain([&self.uploaded]) {
                 let _ = sys::cuEventDestroy_v2(*e);
             }
@@ -1019,6 +1130,40 @@ fn load_kernel() -> Result<sys::CUfunction, CudaError> {
     Ok(f)
 }
 
+/// A pinned, device-mapped host page of `cap` bytes for kernel descriptors.
+fn alloc_desc_page(cap: usize) -> Result<DescPage, CudaError> {
+    let mut host: *mut c_void = std::ptr::null_mut();
+    check(
+        // SAFETY: out-pointer to a live local; the caller's thread has a current context.
+        unsafe {
+            sys::cuMemHostAlloc(
+                &mut host,
+                cap,
+                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
+            )
+        },
+        "cuMemHostAlloc (descriptors)",
+    )?;
+    let mut dev: sys::CUdeviceptr = 0;
+    let r = check(
+        // SAFETY: `host` was just allocated with DEVICEMAP.
+        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) },
+        "cuMemHostGetDevicePointer (descriptors)",
+    );
+    if let Err(e) = r {
+        // SAFETY: allocated above, unused.
+        let _ = unsafe { sys::cuMemFreeHost(host) };
+        return Err(e);
+    }
+    Ok(DescPage { host, dev, cap })
+}
+
+fn free_desc_page(p: &DescPage) {
+    // SAFETY: allocated by alloc_desc_page in the current context; the batch that used it
+    // synchronised.
+    let _ = unsafe { sys::cuMemFreeHost(p.host) };
+}
+
 fn dev_alloc(len: usize) -> Result<DevBuf, CudaError> {
     let mut p: sys::CUdeviceptr = 0;
     // SAFETY: out-pointer to a live local; the caller's thread has a current context.
@@ -1044,6 +1189,7 @@ mod tests {
             r#"policy = "hint"
 kernel_path = "mapped"
 staging_chunk = "32mb"
+staging_buffers = 4
 pin = false
 pin_threads = 3
 pin_chunk = "1gb"
@@ -1056,6 +1202,7 @@ direct_min_bytes = "1mb""#,
         assert_eq!(c.policy, Policy::Hint);
         assert_eq!(c.kernel_path, KernelPath::Mapped);
         assert_eq!(c.staging_chunk, 32 << 20);
+        assert_eq!(c.staging_buffers, 4);
         assert!(!c.pin);
         assert_eq!(
             (c.pin_threads, c.pin_chunk, c.queue_depth, c.blocks_per_sm),
@@ -1066,6 +1213,8 @@ direct_min_bytes = "1mb""#,
             "policy = \"fast\"",
             "bogus = 1",
             "staging_chunk = \"1kb\"",
+            "staging_buffers = 1",
+            "staging_buffers = 9",
             "pin_chunk = \"65gb\"",
             "pin_threads = 0",
             "pin = 1",
