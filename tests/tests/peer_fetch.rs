@@ -5,6 +5,7 @@
 //! - the source killed mid-transfer: the query falls through within its deadline, nothing
 //!   half-fetched is served;
 //! - the source frozen (SIGSTOP): the fetch times out, the source is suspect and skipped;
+//! - a failed peer falls through to the requester's SSD tier in the same request;
 //! - the requester killed mid-transfer: the source's locks return to 0 within a second;
 //! - a stale advertisement: one short answer per request, no retry loop, no suspect mark;
 //! - a source advertising a foreign NUMA node: the fetch lands, nothing local is evicted;
@@ -224,6 +225,60 @@ async fn a_frozen_source_times_out_and_is_suspect() {
     );
     assert_eq!(b.metric("pegaflow_peer_fetch_failures_total", &[]), 1.0);
     a.signal(Signal::SIGCONT);
+}
+
+/// The peer rung fails (the holder is frozen) and the same promotion task falls through to
+/// the requester's own SSD tier, which holds the blocks: Ready with all of them, byte-exact,
+/// within the fetch deadline plus the SSD read.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_failed_peer_falls_through_to_the_ssd_in_the_same_request() {
+    let Some(env) = env("a_failed_peer_falls_through_to_the_ssd_in_the_same_request") else {
+        return;
+    };
+    let o = env.opts("ssd-fallthrough");
+    let a = Node::start(&env.bin, "source", &o);
+    let mut ob = o.clone();
+    ob.peer = Some("fetch_timeout_ms = 800".into());
+    ob.extra_toml = "\n[[tier]]\nkind = \"ssd\"\npaths = [\"{dir}/ssd\"]\ncapacity = \"64mb\"\nsegment_size = \"8mb\"\nreserve = 0\nwrite_through = true\nio = \"posix\"\ndirect = false\n".into();
+    let b = Node::start(&env.bin, "requester", &ob);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let hs = hashes("ssd-fallthrough", 8);
+    save(&mut wa, 0, &hs).await;
+    save(&mut wb, 0, &hs).await;
+    // The requester's copies reach its SSD (write-through), then leave its DRAM.
+    let written = within(Duration::from_secs(10), || {
+        b.metric("pegaflow_ssd_write_bytes_total", &[]) >= 8.0 * 16384.0
+    })
+    .await;
+    assert!(written.is_some(), "the requester's SSD holds the blocks");
+    b.post("/cache/memory/cleanup").expect("memory cleanup");
+    wait_listed(&env, "ssd-fallthrough", &a, &hs).await;
+    a.signal(Signal::SIGSTOP);
+    let s = settle(&mut wb, &hs, "fallthrough", Duration::from_secs(5)).await;
+    a.signal(Signal::SIGCONT);
+    assert_eq!(s.hits, 8, "the SSD served what the peer did not: {s:?}");
+    assert!(s.loading > 0);
+    assert!(
+        s.took < Duration::from_millis(800 + 1500),
+        "one task, one deadline: {:?}",
+        s.took
+    );
+    assert_eq!(
+        b.metric(
+            "pegaflow_peer_fetch_failures_total",
+            &[("reason", "timeout")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        b.metric(
+            "pegaflow_tier_promotions_total",
+            &[("tier", "ssd"), ("outcome", "promoted")]
+        ),
+        8.0
+    );
+    load_exact(&mut wb, &s.lease, 30, &hs).await;
 }
 
 /// The requester dies while it pulls: its data connections close, and the source releases

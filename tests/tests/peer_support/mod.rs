@@ -61,6 +61,8 @@ pub struct NodeOpts {
     pub ip: String,
     /// Run inside this network namespace (`ip netns exec`).
     pub netns: Option<String>,
+    /// More pipeline TOML, appended (e.g. a `[[tier]]` below DRAM).
+    pub extra_toml: String,
 }
 
 impl Default for NodeOpts {
@@ -73,6 +75,7 @@ impl Default for NodeOpts {
             promote_deadline_ms: 4000,
             ip: "127.0.0.1".into(),
             netns: None,
+            extra_toml: String::new(),
         }
     }
 }
@@ -122,6 +125,7 @@ impl Node {
                 o.ip
             ));
         }
+        toml.push_str(&o.extra_toml.replace("{dir}", &dir.path().display().to_string()));
         let cfg = dir.path().join("pipeline.toml");
         std::fs::write(&cfg, &toml).expect("write pipeline");
         let log = dir.path().join("server.log");
@@ -187,6 +191,23 @@ impl Node {
     /// `http://ip:port` of its gRPC service.
     pub fn endpoint(&self) -> String {
         format!("http://{}", self.addr())
+    }
+
+    /// `POST path` on its HTTP port (blocking); the body, `None` when unreachable.
+    pub fn post(&self, path: &str) -> Option<String> {
+        in_netns(self.netns.as_deref(), || {
+            use std::io::{Read, Write};
+            let mut s = std::net::TcpStream::connect((self.ip.as_str(), self.http)).ok()?;
+            s.set_read_timeout(Some(Duration::from_secs(5))).ok()?;
+            write!(
+                s,
+                "POST {path} HTTP/1.1\r\nHost: x\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+            )
+            .ok()?;
+            let mut out = String::new();
+            s.read_to_string(&mut out).ok()?;
+            out.split_once("\r\n\r\n").map(|(_, b)| b.to_string())
+        })
     }
 
     /// The body of `GET path` on its HTTP port (blocking, 2 s), `None` when unreachable.
