@@ -32,8 +32,8 @@ use pegaflow_proto as pb;
 use pegaflow_runtime::block::KeyRef;
 use pegaflow_runtime::store::TierStack;
 use pegaflow_runtime::{
-    check_parses, defaults_of, parse_settings, ConfigSchema, FactoryFlag, FlagValue, PeerFetcher,
-    PeerService, PeerServiceFactory, PluginOption, RuntimeContext,
+    defaults_of, parse_settings, ConfigSchema, FactoryFlag, FlagValue, PeerFetcher, PeerService,
+    PeerServiceFactory, PluginOption, RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 
@@ -424,7 +424,7 @@ inventory::submit! {
         summary: "cross-node block fetch over TCP: serves QueryBlocksForTransfer / ReleaseTransferLock / RdmaHandshake with leased locks and a data port, and fetches from peers the directory names",
         config: ConfigSchema {
             defaults: defaults_of::<TcpPeerConfig>,
-            check: check_parses::<TcpPeerConfig>,
+            check: |w, t| parse_settings::<TcpPeerConfig>(w, t)?.check(w),
             options: &[
                 PluginOption { name: "data_addr", help: "address the data port listens on (port 0: any free port; peers learn it in the handshake)" },
                 PluginOption { name: "fetch", help: "whether this node fetches from peers (needs a [directory]); false: serve only" },
@@ -442,15 +442,8 @@ inventory::submit! {
                 PluginOption { name: "numa_node", help: "NUMA node reported for this pool's slots (-1 = unknown); requesters ignore it" },
             ],
         },
+        // --peer-data-addr first: it adds the [peer] the other flag then sets.
         flags: &[
-            FactoryFlag {
-                long: "transfer-lock-timeout-secs",
-                value_name: "SECS",
-                help: "The longest a transfer lock taken by a peer lives, in seconds (PegaFlow's flag; the [peer] kind \"tcp\" setting transfer_lock_timeout_secs) [default: 120]",
-                setting: "transfer_lock_timeout_secs",
-                value: FlagValue::Integer { min: 1 },
-                adds_entry: false,
-            },
             FactoryFlag {
                 long: "peer-data-addr",
                 value_name: "HOST:PORT",
@@ -458,6 +451,14 @@ inventory::submit! {
                 setting: "data_addr",
                 value: FlagValue::Text,
                 adds_entry: true,
+            },
+            FactoryFlag {
+                long: "transfer-lock-timeout-secs",
+                value_name: "SECS",
+                help: "The longest a transfer lock taken by a peer lives, in seconds (PegaFlow's flag; the [peer] kind \"tcp\" setting transfer_lock_timeout_secs) [default: 120]",
+                setting: "transfer_lock_timeout_secs",
+                value: FlagValue::Integer { min: 1 },
+                adds_entry: false,
             },
         ],
         build,
@@ -471,5 +472,20 @@ mod tests {
         let problems = pegaflow_runtime::doc_problems();
         let ours: Vec<_> = problems.iter().filter(|p| p.contains("\"tcp\"")).collect();
         assert!(ours.is_empty(), "{ours:?}");
+    }
+}
+
+#[cfg(test)]
+mod check_tests {
+    #[test]
+    fn out_of_range_settings_are_refused_without_building() {
+        let f = pegaflow_runtime::peer_service_factory("tcp").unwrap();
+        let mut t = toml::Table::new();
+        t.insert("connections_per_peer".into(), 0.into());
+        assert!((f.config.check)("tcp peer", &t).is_err());
+        let mut t = toml::Table::new();
+        t.insert("data_addr".into(), "bogus".into());
+        assert!((f.config.check)("tcp peer", &t).is_err());
+        assert!((f.config.check)("tcp peer", &toml::Table::new()).is_ok());
     }
 }
