@@ -9,7 +9,8 @@
 //! - the requester killed mid-transfer: the source's locks return to 0 within a second;
 //! - a stale advertisement: one short answer per request, no retry loop, no suspect mark;
 //! - a source advertising a foreign NUMA node: the fetch lands, nothing local is evicted;
-//! - two nodes fetching from each other at the same moment: both land, neither panics.
+//! - two nodes fetching from each other at the same moment: both land, neither panics;
+//! - a source restarted (new data port, pooled connections dead) is fetched from again.
 //!
 //! Skips (printing `SKIP:`) without `redis-server` or a built `pegaflow-server`.
 
@@ -465,6 +466,36 @@ async fn simultaneous_mutual_fetches_both_land() {
     assert!(a.alive() && b.alive());
     assert!(a.get("/health").is_some_and(|h| h.starts_with("ok")));
     assert!(b.get("/health").is_some_and(|h| h.starts_with("ok")));
+}
+
+/// The source restarts on the same gRPC address with a new data port: the requester's pooled
+/// connections to it are dead and its cached handshake is out of date. The next fetch
+/// handshakes again and lands; the source is never marked suspect.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_restarted_source_is_fetched_from_again() {
+    let Some(env) = env("a_restarted_source_is_fetched_from_again") else {
+        return;
+    };
+    let mut o = env.opts("restart");
+    o.stale_after_secs = 2;
+    let mut a = Node::start(&env.bin, "source", &o);
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let before = hashes("restart-before", 4);
+    {
+        let mut wa = worker(&a, "inst-a", SMALL).await;
+        save(&mut wa, 0, &before).await;
+        let s = settle_all(&mut wb, &before, 4, Duration::from_secs(15)).await;
+        load_exact(&mut wb, &s.lease, 10, &before).await;
+    }
+    a.restart();
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let after = hashes("restart-after", 4);
+    save(&mut wa, 0, &after).await;
+    let s = settle_all(&mut wb, &after, 4, Duration::from_secs(15)).await;
+    load_exact(&mut wb, &s.lease, 20, &after).await;
+    assert_eq!(b.metric("pegaflow_peer_suspect_nodes", &[]), 0.0);
+    assert_eq!(b.metric("pegaflow_peer_fetch_failures_total", &[]), 0.0);
 }
 
 /// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.

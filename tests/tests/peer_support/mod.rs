@@ -85,6 +85,8 @@ pub struct Node {
     /// Name in messages.
     pub name: String,
     child: Option<Child>,
+    bin: PathBuf,
+    cfg: PathBuf,
     /// gRPC port.
     pub grpc: u16,
     /// HTTP port.
@@ -125,28 +127,18 @@ impl Node {
                 o.ip
             ));
         }
-        toml.push_str(&o.extra_toml.replace("{dir}", &dir.path().display().to_string()));
+        toml.push_str(
+            &o.extra_toml
+                .replace("{dir}", &dir.path().display().to_string()),
+        );
         let cfg = dir.path().join("pipeline.toml");
         std::fs::write(&cfg, &toml).expect("write pipeline");
         let log = dir.path().join("server.log");
-        let out = std::fs::File::create(&log).expect("log file");
-        let mut cmd = match &o.netns {
-            Some(ns) => {
-                let mut c = Command::new("ip");
-                c.args(["netns", "exec", ns]).arg(bin);
-                c
-            }
-            None => Command::new(bin),
-        };
-        cmd.arg("--config")
-            .arg(&cfg)
-            .stdin(Stdio::null())
-            .stdout(out.try_clone().expect("log"))
-            .stderr(out);
-        let child = cmd.spawn().expect("spawn pegaflow-server");
-        let node = Self {
+        let mut node = Self {
             name: name.into(),
-            child: Some(child),
+            child: None,
+            bin: bin.to_path_buf(),
+            cfg,
             grpc,
             http,
             ip: o.ip.clone(),
@@ -155,8 +147,41 @@ impl Node {
             log,
             _dir: dir,
         };
+        node.spawn();
         node.wait_healthy(Duration::from_secs(20));
         node
+    }
+
+    fn spawn(&mut self) {
+        let out = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&self.log)
+            .expect("log file");
+        let mut cmd = match &self.netns {
+            Some(ns) => {
+                let mut c = Command::new("ip");
+                c.args(["netns", "exec", ns]).arg(&self.bin);
+                c
+            }
+            None => Command::new(&self.bin),
+        };
+        cmd.arg("--config")
+            .arg(&self.cfg)
+            .stdin(Stdio::null())
+            .stdout(out.try_clone().expect("log"))
+            .stderr(out);
+        self.child = Some(cmd.spawn().expect("spawn pegaflow-server"));
+    }
+
+    /// Kills it and starts it again on the same addresses and pipeline (its DRAM is
+    /// empty, its data port a new one), waiting until healthy (≤ 20 s: its directory
+    /// session waits for the old one to go stale).
+    pub fn restart(&mut self) {
+        self.kill();
+        let _ = std::fs::remove_file(&self.socket);
+        self.spawn();
+        self.wait_healthy(Duration::from_secs(20));
     }
 
     fn wait_healthy(&self, within: Duration) {

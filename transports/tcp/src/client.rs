@@ -110,6 +110,12 @@ impl TcpDataPath {
         let mut got: Vec<TcpStream> = {
             let mut idle = self.idle.lock();
             let v = idle.entry(endpoint.to_owned()).or_default();
+            // An idle connection the peer closed (it restarted, or dropped us) reads EOF, or
+            // an error, at once; one with bytes waiting is out of step. Neither is used.
+            v.retain(|c| {
+                let mut b = [0u8; 1];
+                matches!(c.try_read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
+            });
             let k = v.len().min(n);
             v.drain(v.len() - k..).collect()
         };

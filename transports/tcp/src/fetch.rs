@@ -226,6 +226,29 @@ impl Fetcher {
         Ok((client, None))
     }
 
+    /// Asks `node` for its data endpoint (`RdmaHandshake`) and caches it.
+    async fn handshake(&self, client: &mut Client, node: &str) -> Result<String, Failure> {
+        let r = client
+            .rdma_handshake(pb::RdmaHandshakeRequest {
+                requester_id: self.requester_id.clone(),
+                handshake_metadata: HANDSHAKE.as_bytes().to_vec(),
+            })
+            .await
+            .map_err(|e| rpc_failure("handshake", e))?
+            .into_inner();
+        let port = parse_handshake(&r.handshake_metadata).ok_or_else(|| {
+            Failure::suspect(
+                "handshake",
+                "the peer does not speak the tcp data path (handshake metadata)",
+            )
+        })?;
+        let e = data_endpoint(node, port);
+        if let Some(p) = self.peers.lock().get_mut(node) {
+            p.endpoint = Some(e.clone());
+        }
+        Ok(e)
+    }
+
     async fn fetch_inner(
         &self,
         stack: &Arc<TierStack>,
@@ -234,36 +257,25 @@ impl Fetcher {
         expect: Option<&BlockShape>,
         deadline: Instant,
     ) -> Result<Vec<Arc<SealedBlock>>, Failure> {
-        let (mut client, endpoint) = self.client(node)?;
-        let endpoint = match endpoint {
-            Some(e) => e,
-            None => {
-                let r = client
-                    .rdma_handshake(pb::RdmaHandshakeRequest {
-                        requester_id: self.requester_id.clone(),
-                        handshake_metadata: HANDSHAKE.as_bytes().to_vec(),
-                    })
+        let (mut client, cached) = self.client(node)?;
+        let endpoint = match &cached {
+            Some(e) => e.clone(),
+            None => self.handshake(&mut client, node).await?,
+        };
+        // A live data connection before anything is locked there. A cached endpoint may be
+        // out of date (the peer restarted on another data port): handshake again, once.
+        let endpoint = match self.data.connect(&endpoint, deadline).await {
+            Ok(()) => endpoint,
+            Err(PeerDataError::Unreachable(_)) if cached.is_some() => {
+                let e = self.handshake(&mut client, node).await?;
+                self.data
+                    .connect(&e, deadline)
                     .await
-                    .map_err(|e| rpc_failure("handshake", e))?
-                    .into_inner();
-                let port = parse_handshake(&r.handshake_metadata).ok_or_else(|| {
-                    Failure::suspect(
-                        "handshake",
-                        "the peer does not speak the tcp data path (handshake metadata)",
-                    )
-                })?;
-                let e = data_endpoint(node, port);
-                if let Some(p) = self.peers.lock().get_mut(node) {
-                    p.endpoint = Some(e.clone());
-                }
+                    .map_err(data_failure)?;
                 e
             }
+            Err(e) => return Err(data_failure(e)),
         };
-        // A live data connection before anything is locked there.
-        self.data
-            .connect(&endpoint, deadline)
-            .await
-            .map_err(data_failure)?;
         let namespace = keys
             .first()
             .map(|k| k.namespace.to_string())
