@@ -108,8 +108,21 @@ async fn a_block_saved_on_one_node_is_fetched_by_another_byte_exact() {
     let again = settle(&mut wb, &hs, "again", Duration::from_secs(5)).await;
     assert_eq!((again.hits, again.loading), (24, 0));
     assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 24.0);
-    // The requester advertises what it fetched (once resident): a third node sees a plan
-    // covering the blocks, and may fetch from either.
+    // The requester advertises what it fetched (once resident): without the source, the
+    // directory's plan for the run is the requester; a third node can fetch it.
+    let dir = redis_directory(&env, "basic");
+    let t0 = Instant::now();
+    loop {
+        let plan = dir.query_prefix(NS, &hs, Some(&a.addr())).await.unwrap();
+        if plan.len() == 1 && plan[0].node == b.addr() && plan[0].prefix_len == 24 {
+            break;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the requester advertises the fetched blocks: {plan:?}"
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
     let c = Node::start(&env.bin, "third", &o);
     let mut wc = worker(&c, "inst-c", SMALL).await;
     let s = settle_all(&mut wc, &hs, 24, Duration::from_secs(15)).await;
@@ -498,13 +511,18 @@ async fn a_restarted_source_is_fetched_from_again() {
     assert_eq!(b.metric("pegaflow_peer_fetch_failures_total", &[]), 0.0);
 }
 
-/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
-async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
+/// A client of the directory the nodes of `prefix` share.
+fn redis_directory(env: &Env, prefix: &str) -> std::sync::Arc<dyn pegaflow_runtime::Directory> {
     let mut settings = toml::Table::new();
     settings.insert("url".into(), env.redis.url().into());
     settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
-    let dir = (directory_factory("redis").unwrap().build)(&settings, &RuntimeContext::default())
-        .expect("a redis directory client");
+    (directory_factory("redis").unwrap().build)(&settings, &RuntimeContext::default())
+        .expect("a redis directory client")
+}
+
+/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
+async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
+    let dir = redis_directory(env, prefix);
     let t0 = Instant::now();
     loop {
         let plan = dir.query_prefix(NS, hs, None).await.unwrap_or_default();
