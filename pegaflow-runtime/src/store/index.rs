@@ -1,40 +1,341 @@
-//! The host-DRAM block index: sealed blocks by `(namespace, group, hash)`, with exact LRU order.
+//! The host-DRAM block index: sealed blocks by `(namespace, group, hash)`, in LRU order.
 //!
 //! Owns: the only strong reference to a resident block besides leases and running loads.
 //! Must never: evict (or de-index) a block someone else holds — a lease, a load in flight —
 //! which is exactly "its `Arc` has more than one strong reference".
 //!
 //! The map is split into shards, each behind its own mutex, so a query never holds one lock
-//! across its whole hash list. Recency is a global counter stamped on every touch; eviction
-//! takes the smallest stamp among evictable entries of all shards, so the order is exact LRU.
+//! across its whole hash list; the batched calls ([`BlockIndex::touch_prefix`],
+//! [`BlockIndex::contains_many`], [`BlockIndex::insert_many`]) take each shard's lock once per
+//! batch rather than once per hash. Inside a shard, entries live in a slab and are threaded on
+//! two intrusive doubly linked lists (every entry, most recently used first; and the entries
+//! not yet written below DRAM, in the same order), so a lookup, a touch, an insertion and a
+//! removal are O(1): no ordered map is re-stamped on a touch.
+//!
+//! Recency is a global counter: every touch or insertion takes a stamp, and a shard's list is
+//! ordered by stamp. Eviction takes the oldest evictable entry of each shard (walking past
+//! referenced ones from the tail) and removes the one with the smallest stamp of all shards,
+//! so for operations that do not overlap in time the order is exact LRU. A batched touch takes
+//! its stamps in request order (hash `i` of a query is touched before hash `i + 1`); two
+//! batches running at once on one shard may interleave there in the order they took its lock.
 
-use std::collections::{BTreeMap, BTreeSet};
 use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hashbrown::HashMap;
-use parking_lot::Mutex;
+use hashbrown::HashTable;
+use parking_lot::{Mutex, MutexGuard};
 
 use crate::block::{BlockKey, KeyRef, SealedBlock};
 
+/// Number of shards (a power of two).
 const SHARDS: usize = 16;
 
-struct Entry {
-    block: Arc<SealedBlock>,
-    stamp: u64,
-    /// A lower tier already holds (or was offered) the block: eviction needs no demotion.
-    written_below: bool,
+/// The shard of a key is taken from these bits of its hash: disjoint from the low bits the
+/// hash table indexes buckets with and from the top seven it keeps as tags.
+const SHARD_SHIFT: u32 = 40;
+
+/// "No entry" in the slab links.
+const NIL: u32 = u32::MAX;
+
+/// Hashes up to this many bytes are stored inside the entry (no separate allocation, no
+/// extra cache miss when a lookup compares them).
+const INLINE_HASH: usize = 32;
+
+/// The bytes of an entry's hash.
+enum HashBytes {
+    Inline { len: u8, bytes: [u8; INLINE_HASH] },
+    Heap(Box<[u8]>),
 }
 
-#[derive(Default)]
-struct Shard {
-    map: HashMap<BlockKey, Entry>,
-    lru: BTreeMap<u64, BlockKey>,
-    /// Stamps of the entries not yet written below DRAM (a subset of `lru`'s keys), so that
-    /// write-behind finds the oldest of them without walking past written ones.
-    unwritten: BTreeSet<u64>,
+impl HashBytes {
+    fn new(h: &[u8]) -> Self {
+        if h.len() <= INLINE_HASH {
+            let mut bytes = [0u8; INLINE_HASH];
+            bytes[..h.len()].copy_from_slice(h);
+            Self::Inline {
+                len: h.len() as u8,
+                bytes,
+            }
+        } else {
+            Self::Heap(h.into())
+        }
+    }
+
+    fn as_slice(&self) -> &[u8] {
+        match self {
+            Self::Inline { len, bytes } => &bytes[..*len as usize],
+            Self::Heap(b) => b,
+        }
+    }
 }
+
+/// One resident block.
+struct Node {
+    /// The key's full hash (also the hash table's hash).
+    tag: u64,
+    block: Arc<SealedBlock>,
+    /// Recency: larger is more recent.
+    stamp: u64,
+    /// LRU list: `prev` is the next more recent entry, `next` the next older one.
+    prev: u32,
+    next: u32,
+    /// The unwritten list (only while `!written_below`), same direction.
+    uprev: u32,
+    unext: u32,
+    group: u32,
+    /// A lower tier already holds (or was offered) the block: eviction needs no demotion.
+    written_below: bool,
+    hash: HashBytes,
+    namespace: Arc<str>,
+}
+
+impl Node {
+    fn matches(&self, key: &KeyRef<'_>) -> bool {
+        self.group == key.group
+            && self.hash.as_slice() == key.hash
+            && (std::ptr::eq(self.namespace.as_ptr(), key.namespace.as_ptr())
+                && self.namespace.len() == key.namespace.len()
+                || *self.namespace == *key.namespace)
+    }
+
+    fn key(&self) -> BlockKey {
+        BlockKey {
+            namespace: self.namespace.clone(),
+            group: self.group,
+            hash: self.hash.as_slice().into(),
+        }
+    }
+
+    fn evictable(&self) -> bool {
+        Arc::strong_count(&self.block) == 1
+    }
+}
+
+/// 32 bits of a key's hash kept next to its slab index in the table, so that a lookup can
+/// pick its candidate entry without reading the slab (bits 8..40: mostly disjoint from the
+/// bucket index and from the table's own 7-bit tag).
+fn frag(tag: u64) -> u32 {
+    (tag >> 8) as u32
+}
+
+/// One shard: a hash table of (slab index, hash fragment), the slab, and the two lists' ends.
+struct Shard {
+    table: HashTable<(u32, u32)>,
+    nodes: Vec<Option<Node>>,
+    free: Vec<u32>,
+    /// Most and least recently used entries.
+    head: u32,
+    tail: u32,
+    /// Most and least recently used entries not yet written below DRAM.
+    uhead: u32,
+    utail: u32,
+}
+
+impl Default for Shard {
+    fn default() -> Self {
+        Self {
+            table: HashTable::new(),
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            uhead: NIL,
+            utail: NIL,
+        }
+    }
+}
+
+impl Shard {
+    fn node(&self, i: u32) -> &Node {
+        self.nodes[i as usize]
+            .as_ref()
+            .expect("linked slot holds a node")
+    }
+
+    fn node_mut(&mut self, i: u32) -> &mut Node {
+        self.nodes[i as usize]
+            .as_mut()
+            .expect("linked slot holds a node")
+    }
+
+    fn find(&self, tag: u64, key: &KeyRef<'_>) -> Option<u32> {
+        let nodes = &self.nodes;
+        let f = frag(tag);
+        self.table
+            .find(tag, |&(i, fi)| {
+                fi == f
+                    && nodes[i as usize]
+                        .as_ref()
+                        .is_some_and(|n| n.tag == tag && n.matches(key))
+            })
+            .map(|&(i, _)| i)
+    }
+
+    /// The first entry whose hash fragment matches `tag`'s, without reading the slab: the
+    /// key's entry unless another key shares 39 bits of its hash (the caller verifies).
+    fn candidate(&self, tag: u64) -> Option<u32> {
+        let f = frag(tag);
+        self.table.find(tag, |&(_, fi)| fi == f).map(|&(i, _)| i)
+    }
+
+    /// Prefetches both cache lines of slot `i` (a hint; `i` may be [`NIL`]).
+    fn prefetch_node(&self, i: u32) {
+        if i != NIL {
+            let p = self.nodes.as_ptr().wrapping_add(i as usize).cast::<u8>();
+            prefetch(p);
+            prefetch(p.wrapping_add(64));
+        }
+    }
+
+    fn link_front(&mut self, i: u32) {
+        let old = self.head;
+        {
+            let n = self.node_mut(i);
+            n.prev = NIL;
+            n.next = old;
+        }
+        if old == NIL {
+            self.tail = i;
+        } else {
+            self.node_mut(old).prev = i;
+        }
+        self.head = i;
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let (p, nx) = {
+            let n = self.node(i);
+            (n.prev, n.next)
+        };
+        if p == NIL {
+            self.head = nx;
+        } else {
+            self.node_mut(p).next = nx;
+        }
+        if nx == NIL {
+            self.tail = p;
+        } else {
+            self.node_mut(nx).prev = p;
+        }
+    }
+
+    fn ulink_front(&mut self, i: u32) {
+        let old = self.uhead;
+        {
+            let n = self.node_mut(i);
+            n.uprev = NIL;
+            n.unext = old;
+        }
+        if old == NIL {
+            self.utail = i;
+        } else {
+            self.node_mut(old).uprev = i;
+        }
+        self.uhead = i;
+    }
+
+    fn uunlink(&mut self, i: u32) {
+        let (p, nx) = {
+            let n = self.node(i);
+            (n.uprev, n.unext)
+        };
+        if p == NIL {
+            self.uhead = nx;
+        } else {
+            self.node_mut(p).unext = nx;
+        }
+        if nx == NIL {
+            self.utail = p;
+        } else {
+            self.node_mut(nx).uprev = p;
+        }
+    }
+
+    /// Marks entry `i` most recently used with `stamp`.
+    fn touch(&mut self, i: u32, stamp: u64) {
+        let n = self.node_mut(i);
+        n.stamp = stamp;
+        let unwritten = !n.written_below;
+        if self.head != i {
+            self.unlink(i);
+            self.link_front(i);
+        }
+        if unwritten && self.uhead != i {
+            self.uunlink(i);
+            self.ulink_front(i);
+        }
+    }
+
+    /// Adds a node (whose key is not resident) as most recently used; returns its slot.
+    fn add(&mut self, node: Node) -> u32 {
+        let tag = node.tag;
+        let unwritten = !node.written_below;
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = Some(node);
+                i
+            }
+            None => {
+                let i = u32::try_from(self.nodes.len()).expect("fewer than 2^32 blocks per shard");
+                assert!(i != NIL, "fewer than 2^32 - 1 blocks per shard");
+                self.nodes.push(Some(node));
+                i
+            }
+        };
+        let nodes = &self.nodes;
+        self.table.insert_unique(tag, (i, frag(tag)), |&(j, _)| {
+            nodes[j as usize].as_ref().map_or(0, |n| n.tag)
+        });
+        self.link_front(i);
+        if unwritten {
+            self.ulink_front(i);
+        }
+        i
+    }
+
+    /// Removes entry `i` from the table, the lists and the slab.
+    fn remove(&mut self, i: u32) -> Node {
+        let (tag, unwritten) = {
+            let n = self.node(i);
+            (n.tag, !n.written_below)
+        };
+        if let Ok(e) = self.table.find_entry(tag, |&(j, _)| j == i) {
+            e.remove();
+        }
+        self.unlink(i);
+        if unwritten {
+            self.uunlink(i);
+        }
+        self.free.push(i);
+        self.nodes[i as usize].take().expect("slot held a node")
+    }
+
+    /// From entry `i` towards more recent ones (`i` included), the first evictable entry.
+    fn evictable_from(&self, mut i: u32) -> Option<u32> {
+        while i != NIL {
+            let n = self.node(i);
+            if n.evictable() {
+                return Some(i);
+            }
+            i = n.prev;
+        }
+        None
+    }
+
+    fn clear(&mut self) -> Vec<Node> {
+        self.table.clear();
+        self.free.clear();
+        self.head = NIL;
+        self.tail = NIL;
+        self.uhead = NIL;
+        self.utail = NIL;
+        self.nodes.drain(..).flatten().collect()
+    }
+}
+
+/// A block for [`BlockIndex::insert_many`]: `(group, hash, block, written_below)`.
+pub type NewBlock<'a> = (u32, &'a [u8], Arc<SealedBlock>, bool);
 
 /// What an eviction removed.
 #[derive(Debug)]
@@ -45,6 +346,30 @@ pub struct Evicted {
     pub block: Arc<SealedBlock>,
     /// Whether the block was already written below DRAM (no demotion needed).
     pub written_below: bool,
+}
+
+impl From<Node> for Evicted {
+    fn from(n: Node) -> Self {
+        Self {
+            key: n.key(),
+            written_below: n.written_below,
+            block: n.block,
+        }
+    }
+}
+
+/// Prefetches the cache line at `p` (a hint: any address is allowed, nothing is read).
+#[inline(always)]
+fn prefetch<T>(p: *const T) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
+        // SAFETY: SSE is part of the x86_64 baseline; a prefetch reads nothing and cannot
+        // fault, whatever the address.
+        unsafe { _mm_prefetch::<_MM_HINT_T0>(p.cast::<i8>()) };
+    }
+    #[cfg(not(target_arch = "x86_64"))]
+    let _ = p;
 }
 
 /// The sharded index.
@@ -72,6 +397,50 @@ impl Default for BlockIndex {
     }
 }
 
+/// Positions of a batch of keys grouped by shard (a counting sort over the shard index).
+struct ByShard {
+    /// Positions, shard by shard.
+    order: Vec<u32>,
+    /// `order[starts[s]..starts[s + 1]]` are the positions of shard `s`.
+    starts: [u32; SHARDS + 1],
+}
+
+impl ByShard {
+    fn new(tags: &[u64]) -> Self {
+        let mut starts = [0u32; SHARDS + 1];
+        for &t in tags {
+            starts[shard_of(t) + 1] += 1;
+        }
+        for s in 0..SHARDS {
+            starts[s + 1] += starts[s];
+        }
+        let mut fill = starts;
+        let mut order = vec![0u32; tags.len()];
+        for (p, &t) in tags.iter().enumerate() {
+            let s = shard_of(t);
+            order[fill[s] as usize] = p as u32;
+            fill[s] += 1;
+        }
+        Self { order, starts }
+    }
+
+    fn of(&self, s: usize) -> &[u32] {
+        &self.order[self.starts[s] as usize..self.starts[s + 1] as usize]
+    }
+}
+
+fn kref<'a>(namespace: &'a str, group: u32, hash: &'a [u8]) -> KeyRef<'a> {
+    KeyRef {
+        namespace,
+        group,
+        hash,
+    }
+}
+
+fn shard_of(tag: u64) -> usize {
+    (tag >> SHARD_SHIFT) as usize & (SHARDS - 1)
+}
+
 impl BlockIndex {
     /// An empty index.
     pub fn new() -> Self {
@@ -85,42 +454,192 @@ impl BlockIndex {
         }
     }
 
-    fn shard(&self, key: &KeyRef<'_>) -> &Mutex<Shard> {
-        &self.shards[(self.hasher.hash_one(key) as usize) % SHARDS]
+    fn tag(&self, key: &KeyRef<'_>) -> u64 {
+        self.hasher.hash_one(key)
     }
 
-    fn tick(&self) -> u64 {
-        self.clock.fetch_add(1, Ordering::Relaxed)
+    fn shard(&self, tag: u64) -> MutexGuard<'_, Shard> {
+        self.shards[shard_of(tag)].lock()
+    }
+
+    /// `n` consecutive stamps.
+    fn ticks(&self, n: u64) -> u64 {
+        self.clock.fetch_add(n, Ordering::Relaxed)
     }
 
     /// Looks a block up and, when found, marks it most recently used.
     pub fn get_touch(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
-        let mut s = self.shard(&key).lock();
-        let s = &mut *s;
-        let (k, e) = s.map.get_key_value_mut(&key)?;
-        let stamp = self.tick();
-        if let Some(kk) = s.lru.remove(&e.stamp) {
-            s.lru.insert(stamp, kk);
-        } else {
-            s.lru.insert(stamp, k.clone());
+        let tag = self.tag(&key);
+        let mut s = self.shard(tag);
+        let i = s.find(tag, &key)?;
+        let stamp = self.ticks(1);
+        s.touch(i, stamp);
+        Some(s.node(i).block.clone())
+    }
+
+    /// The longest prefix of `hashes` (under `namespace` and `group`) that is resident, each
+    /// block marked most recently used in request order (the first hash touched first). Takes
+    /// each shard's lock at most twice per call (a lookup pass, then a touch pass over the
+    /// prefix), whatever the number of hashes; allocates only per call, not per hash.
+    pub fn touch_prefix(
+        &self,
+        namespace: &str,
+        group: u32,
+        hashes: &[Vec<u8>],
+    ) -> Vec<Arc<SealedBlock>> {
+        if hashes.is_empty() {
+            return Vec::new();
         }
-        if !e.written_below {
-            s.unwritten.remove(&e.stamp);
-            s.unwritten.insert(stamp);
+        let key = |h| kref(namespace, group, h);
+        let tags: Vec<u64> = hashes.iter().map(|h| self.tag(&key(h))).collect();
+        let by = ByShard::new(&tags);
+        // Pass 1: find every hash (no recency change); the prefix ends at the first miss. Per
+        // shard in two stages, so that the cache misses of different hashes overlap: every
+        // hash's table entry first (prefetching its candidate slot), then the keys compared
+        // (prefetching what the touch pass needs: the block's counts, the LRU neighbours).
+        let mut found = vec![NIL; hashes.len()];
+        let mut prefix = hashes.len();
+        for s in 0..SHARDS {
+            let ps = by.of(s);
+            if ps.first().is_none_or(|&p| p as usize >= prefix) {
+                continue;
+            }
+            let sh = self.shards[s].lock();
+            // Positions ascend within a shard: stop at the prefix.
+            let ps = &ps[..ps.partition_point(|&p| (p as usize) < prefix)];
+            for &p in ps {
+                let p = p as usize;
+                let c = sh.candidate(tags[p]).unwrap_or(NIL);
+                sh.prefetch_node(c);
+                found[p] = c;
+            }
+            for &p in ps {
+                let p = p as usize;
+                if p >= prefix {
+                    break;
+                }
+                let k = key(&hashes[p]);
+                let mut i = found[p];
+                let hit = i != NIL && {
+                    let n = sh.node(i);
+                    n.tag == tags[p] && n.matches(&k)
+                };
+                if !hit && i != NIL {
+                    // Another key with the same hash fragment: the full lookup.
+                    i = sh.find(tags[p], &k).unwrap_or(NIL);
+                }
+                found[p] = i;
+                if i == NIL {
+                    prefix = p;
+                    break;
+                }
+                let n = sh.node(i);
+                // The touch pass clones the `Arc` (counts 16 bytes before the data) and
+                // relinks the entry between its neighbours.
+                prefetch(Arc::as_ptr(&n.block).cast::<u8>().wrapping_sub(16));
+                sh.prefetch_node(n.prev);
+                sh.prefetch_node(n.next);
+            }
         }
-        e.stamp = stamp;
-        Some(e.block.clone())
+        if prefix == 0 {
+            return Vec::new();
+        }
+        // Pass 2: touch the prefix, stamps in request order.
+        let base = self.ticks(prefix as u64);
+        let mut out: Vec<Option<Arc<SealedBlock>>> = vec![None; prefix];
+        for s in 0..SHARDS {
+            let ps = by.of(s);
+            if ps.first().is_none_or(|&p| p as usize >= prefix) {
+                continue;
+            }
+            let mut sh = self.shards[s].lock();
+            for &p in ps {
+                let p = p as usize;
+                if p >= prefix {
+                    break;
+                }
+                let i = found[p];
+                // Evicted (and its slot perhaps reused) between the passes: the prefix ends
+                // there.
+                let still = sh
+                    .nodes
+                    .get(i as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|n| n.tag == tags[p] && n.matches(&key(&hashes[p])));
+                if !still {
+                    continue;
+                }
+                sh.touch(i, base + p as u64);
+                out[p] = Some(sh.node(i).block.clone());
+            }
+        }
+        out.into_iter().map_while(|b| b).collect()
     }
 
     /// Whether a block is resident (no recency change).
     pub fn contains(&self, key: KeyRef<'_>) -> bool {
-        self.shard(&key).lock().map.contains_key(&key)
+        let tag = self.tag(&key);
+        self.shard(tag).find(tag, &key).is_some()
+    }
+
+    /// For each of `hashes` (under `namespace` and `group`), whether it is resident (no
+    /// recency change). Each shard's lock is taken once.
+    pub fn contains_many(&self, namespace: &str, group: u32, hashes: &[&[u8]]) -> Vec<bool> {
+        let key = |h| kref(namespace, group, h);
+        let tags: Vec<u64> = hashes.iter().map(|h| self.tag(&key(h))).collect();
+        let by = ByShard::new(&tags);
+        let mut out = vec![false; hashes.len()];
+        for s in 0..SHARDS {
+            let ps = by.of(s);
+            if ps.is_empty() {
+                continue;
+            }
+            let sh = self.shards[s].lock();
+            for &p in ps {
+                let p = p as usize;
+                out[p] = sh.find(tags[p], &key(hashes[p])).is_some();
+            }
+        }
+        out
     }
 
     /// Inserts a sealed block as most recently used. Returns false (and keeps the existing
     /// block) when the key is already resident: content-addressed blocks never overwrite.
     pub fn insert(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
         self.insert_marked(key, block, false)
+    }
+
+    fn node_of(&self, tag: u64, key: KeyRef<'_>, block: Arc<SealedBlock>, written: bool) -> Node {
+        Node {
+            tag,
+            block,
+            stamp: 0,
+            prev: NIL,
+            next: NIL,
+            uprev: NIL,
+            unext: NIL,
+            group: key.group,
+            written_below: written,
+            hash: HashBytes::new(key.hash),
+            namespace: key.namespace.into(),
+        }
+    }
+
+    fn count_in(&self, fp: u64, written_below: bool) {
+        if !written_below {
+            self.unwritten_bytes.fetch_add(fp, Ordering::Relaxed);
+        }
+        self.resident_bytes.fetch_add(fp, Ordering::Relaxed);
+        self.resident_blocks.fetch_add(1, Ordering::Relaxed);
+    }
+
+    fn count_out(&self, n: &Node) {
+        let fp = n.block.footprint;
+        self.resident_bytes.fetch_sub(fp, Ordering::Relaxed);
+        self.resident_blocks.fetch_sub(1, Ordering::Relaxed);
+        if !n.written_below {
+            self.unwritten_bytes.fetch_sub(fp, Ordering::Relaxed);
+        }
     }
 
     /// [`BlockIndex::insert`], recording whether a lower tier already holds the block (a
@@ -132,77 +651,189 @@ impl BlockIndex {
         written_below: bool,
     ) -> bool {
         let kr = key.as_ref();
-        let shard = self.shard(&kr);
-        let mut s = shard.lock();
-        if s.map.contains_key(&kr) {
+        let tag = self.tag(&kr);
+        let mut s = self.shard(tag);
+        if s.find(tag, &kr).is_some() {
             return false;
         }
-        let stamp = self.tick();
         let fp = block.footprint;
-        s.lru.insert(stamp, key.clone());
-        if !written_below {
-            s.unwritten.insert(stamp);
-        }
-        s.map.insert(
-            key,
-            Entry {
-                block,
-                stamp,
-                written_below,
-            },
-        );
-        if !written_below {
-            self.unwritten_bytes.fetch_add(fp, Ordering::Relaxed);
-        }
-        self.resident_bytes.fetch_add(fp, Ordering::Relaxed);
-        self.resident_blocks.fetch_add(1, Ordering::Relaxed);
+        let mut node = self.node_of(tag, kr, block, written_below);
+        // The key's namespace is shared, not copied.
+        node.namespace = key.namespace.clone();
+        node.stamp = self.ticks(1);
+        s.add(node);
+        drop(s);
+        self.count_in(fp, written_below);
         true
+    }
+
+    /// Inserts sealed blocks under `namespace`, each as most recently used in list order
+    /// (the last one newest): `(group, hash, block, written_below)`. Each shard's lock is
+    /// taken once. Returns, per entry, whether it was inserted (false: the key was resident
+    /// already, or appears earlier in the list; the existing block is kept).
+    pub fn insert_many(&self, namespace: &Arc<str>, blocks: Vec<NewBlock<'_>>) -> Vec<bool> {
+        let tags: Vec<u64> = blocks
+            .iter()
+            .map(|(g, h, _, _)| {
+                self.tag(&KeyRef {
+                    namespace,
+                    group: *g,
+                    hash: h,
+                })
+            })
+            .collect();
+        let by = ByShard::new(&tags);
+        let base = self.ticks(blocks.len() as u64);
+        let mut out = vec![false; blocks.len()];
+        let mut slots: Vec<Option<NewBlock<'_>>> = blocks.into_iter().map(Some).collect();
+        let (mut bytes, mut unwritten, mut count) = (0u64, 0u64, 0u64);
+        for s in 0..SHARDS {
+            let ps = by.of(s);
+            if ps.is_empty() {
+                continue;
+            }
+            let mut sh = self.shards[s].lock();
+            for &p in ps {
+                let p = p as usize;
+                let Some((group, hash, block, written)) = slots[p].take() else {
+                    continue;
+                };
+                let kr = KeyRef {
+                    namespace,
+                    group,
+                    hash,
+                };
+                if sh.find(tags[p], &kr).is_some() {
+                    continue;
+                }
+                let fp = block.footprint;
+                let mut node = self.node_of(tags[p], kr, block, written);
+                node.namespace = namespace.clone();
+                node.stamp = base + p as u64;
+                sh.add(node);
+                out[p] = true;
+                bytes += fp;
+                count += 1;
+                if !written {
+                    unwritten += fp;
+                }
+            }
+        }
+        self.resident_bytes.fetch_add(bytes, Ordering::Relaxed);
+        self.resident_blocks.fetch_add(count, Ordering::Relaxed);
+        self.unwritten_bytes.fetch_add(unwritten, Ordering::Relaxed);
+        out
     }
 
     /// Removes the least recently used block that nobody else holds. `None` when every
     /// resident block is referenced (leased or loading) or the index is empty.
     pub fn evict_lru(&self) -> Option<Evicted> {
         loop {
-            // Find the globally oldest evictable entry.
-            let mut best: Option<(u64, usize)> = None;
-            for (i, sh) in self.shards.iter().enumerate() {
+            // Find the globally oldest evictable entry: (stamp, shard, slot).
+            let mut best: Option<(u64, usize, u32)> = None;
+            for (si, sh) in self.shards.iter().enumerate() {
                 let s = sh.lock();
-                for (&stamp, key) in s.lru.iter() {
-                    if best.is_some_and(|(b, _)| b < stamp) {
+                let mut i = s.tail;
+                while i != NIL {
+                    let n = s.node(i);
+                    if best.is_some_and(|(b, _, _)| b < n.stamp) {
                         break;
                     }
-                    let e = &s.map[key];
-                    if Arc::strong_count(&e.block) == 1 {
-                        best = Some((stamp, i));
+                    if n.evictable() {
+                        best = Some((n.stamp, si, i));
                         break;
+                    }
+                    i = n.prev;
+                }
+            }
+            let (stamp, si, i) = best?;
+            let mut s = self.shards[si].lock();
+            // Re-check under the lock: the entry may have been touched, leased or replaced.
+            let ok = s
+                .nodes
+                .get(i as usize)
+                .and_then(Option::as_ref)
+                .is_some_and(|n| n.stamp == stamp && n.evictable());
+            if !ok {
+                continue;
+            }
+            let n = s.remove(i);
+            drop(s);
+            self.count_out(&n);
+            return Some(n.into());
+        }
+    }
+
+    /// Removes least recently used unreferenced blocks, in LRU order over all shards, until
+    /// their footprints sum to at least `min_bytes` or `max_blocks` were removed (or none is
+    /// left). Holds every shard's lock for the batch, so keep `max_blocks` modest (a few
+    /// hundred): the caller loops for more.
+    pub fn evict_lru_batch(&self, min_bytes: u64, max_blocks: usize) -> Vec<Evicted> {
+        self.evict_lru_batch_keyed(min_bytes, max_blocks, true)
+    }
+
+    /// [`BlockIndex::evict_lru_batch`]; with `keys` false the returned keys keep their
+    /// namespace and group but an empty hash (nothing is allocated for them), for a caller
+    /// that only frees the blocks.
+    pub fn evict_lru_batch_keyed(
+        &self,
+        min_bytes: u64,
+        max_blocks: usize,
+        keys: bool,
+    ) -> Vec<Evicted> {
+        let mut out: Vec<Node> = Vec::new();
+        if max_blocks == 0 {
+            return Vec::new();
+        }
+        let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
+        // Each shard's oldest evictable entry.
+        let mut cur: Vec<Option<u32>> = guards.iter().map(|g| g.evictable_from(g.tail)).collect();
+        let mut freed = 0u64;
+        while freed < min_bytes && out.len() < max_blocks {
+            let mut best: Option<(u64, usize)> = None;
+            for (si, c) in cur.iter().enumerate() {
+                if let Some(i) = *c {
+                    let st = guards[si].node(i).stamp;
+                    if best.is_none_or(|(b, _)| st < b) {
+                        best = Some((st, si));
                     }
                 }
             }
-            let (stamp, i) = best?;
-            let mut s = self.shards[i].lock();
-            // Re-check under the lock: the entry may have been touched or leased meanwhile.
-            let Some(key) = s.lru.get(&stamp).cloned() else {
-                continue;
+            let Some((_, si)) = best else {
+                break;
             };
-            if Arc::strong_count(&s.map[&key].block) != 1 {
-                continue;
-            }
-            s.lru.remove(&stamp);
-            let e = s.map.remove(&key).expect("lru and map agree");
-            self.resident_bytes
-                .fetch_sub(e.block.footprint, Ordering::Relaxed);
-            self.resident_blocks.fetch_sub(1, Ordering::Relaxed);
-            if !e.written_below {
-                s.unwritten.remove(&stamp);
-                self.unwritten_bytes
-                    .fetch_sub(e.block.footprint, Ordering::Relaxed);
-            }
-            return Some(Evicted {
-                key,
-                block: e.block,
-                written_below: e.written_below,
-            });
+            let g = &mut guards[si];
+            let i = cur[si].expect("chosen shard has a candidate");
+            let newer = g.node(i).prev;
+            let n = g.remove(i);
+            cur[si] = g.evictable_from(newer);
+            freed += n.block.footprint;
+            out.push(n);
         }
+        drop(guards);
+        let unwritten: u64 = out
+            .iter()
+            .filter(|n| !n.written_below)
+            .map(|n| n.block.footprint)
+            .sum();
+        self.resident_bytes.fetch_sub(freed, Ordering::Relaxed);
+        self.resident_blocks
+            .fetch_sub(out.len() as u64, Ordering::Relaxed);
+        self.unwritten_bytes.fetch_sub(unwritten, Ordering::Relaxed);
+        if keys {
+            return out.into_iter().map(Evicted::from).collect();
+        }
+        out.into_iter()
+            .map(|n| Evicted {
+                key: BlockKey {
+                    namespace: n.namespace,
+                    group: n.group,
+                    hash: Box::default(),
+                },
+                block: n.block,
+                written_below: n.written_below,
+            })
+            .collect()
     }
 
     /// Removes every block (the memory-cleanup endpoint), referenced or not. Referenced blocks
@@ -210,12 +841,8 @@ impl BlockIndex {
     pub fn clear(&self) -> Vec<(BlockKey, Arc<SealedBlock>)> {
         let mut out = Vec::new();
         for sh in &self.shards {
-            let mut s = sh.lock();
-            s.lru.clear();
-            s.unwritten.clear();
-            for (k, e) in s.map.drain() {
-                out.push((k, e.block));
-            }
+            let nodes = sh.lock().clear();
+            out.extend(nodes.into_iter().map(|n| (n.key(), n.block)));
         }
         let bytes: u64 = out.iter().map(|(_, b)| b.footprint).sum();
         self.resident_bytes.fetch_sub(bytes, Ordering::Relaxed);
@@ -237,15 +864,14 @@ impl BlockIndex {
         for sh in &self.shards {
             let s = sh.lock();
             let mut taken = 0;
-            for stamp in s.unwritten.iter() {
-                if taken == max {
-                    break;
-                }
-                let key = &s.lru[stamp];
-                if key.group == group {
-                    cands.push((*stamp, key.clone(), s.map[key].block.clone()));
+            let mut i = s.utail;
+            while i != NIL && taken < max {
+                let n = s.node(i);
+                if n.group == group {
+                    cands.push((n.stamp, n.key(), n.block.clone()));
                     taken += 1;
                 }
+                i = n.uprev;
             }
         }
         cands.sort_unstable_by_key(|c| c.0);
@@ -257,20 +883,19 @@ impl BlockIndex {
     /// is no longer resident.
     pub fn mark_written_below(&self, key: &BlockKey) -> bool {
         let kr = key.as_ref();
-        let mut s = self.shard(&kr).lock();
-        let s = &mut *s;
-        match s.map.get_mut(&kr) {
-            Some(e) => {
-                if !e.written_below {
-                    e.written_below = true;
-                    s.unwritten.remove(&e.stamp);
-                    self.unwritten_bytes
-                        .fetch_sub(e.block.footprint, Ordering::Relaxed);
-                }
-                true
-            }
-            None => false,
+        let tag = self.tag(&kr);
+        let mut s = self.shard(tag);
+        let Some(i) = s.find(tag, &kr) else {
+            return false;
+        };
+        if !s.node(i).written_below {
+            s.uunlink(i);
+            let n = s.node_mut(i);
+            n.written_below = true;
+            let fp = n.block.footprint;
+            self.unwritten_bytes.fetch_sub(fp, Ordering::Relaxed);
         }
+        true
     }
 
     /// Number of shards the keys are split over (for walking them with
@@ -284,7 +909,7 @@ impl BlockIndex {
     /// time and sees each key at most once.
     pub fn shard_keys(&self, i: usize) -> Vec<BlockKey> {
         match self.shards.get(i) {
-            Some(s) => s.lock().map.keys().cloned().collect(),
+            Some(s) => s.lock().nodes.iter().flatten().map(Node::key).collect(),
             None => Vec::new(),
         }
     }
@@ -320,6 +945,14 @@ mod tests {
             namespace: ns.into(),
             group: 0,
             hash: vec![h].into(),
+        }
+    }
+
+    fn kr(h: &[u8]) -> KeyRef<'_> {
+        KeyRef {
+            namespace: "a",
+            group: 0,
+            hash: h,
         }
     }
 
@@ -373,6 +1006,7 @@ mod tests {
             })
             .unwrap();
         assert!(ix.evict_lru().is_none());
+        assert!(ix.evict_lru_batch(u64::MAX, 100).is_empty());
         drop(held2);
         assert!(ix.evict_lru().is_some());
         assert!(ix.contains(KeyRef {
@@ -395,6 +1029,10 @@ mod tests {
             hash: &[0],
         });
         assert!(ix.mark_written_below(&key("a", 1)));
+        assert!(
+            ix.mark_written_below(&key("a", 1)),
+            "marking twice is harmless"
+        );
         let order: Vec<u8> = ix
             .oldest_unwritten(0, 8)
             .into_iter()
@@ -404,9 +1042,19 @@ mod tests {
         assert_eq!(ix.unwritten_bytes(), 30);
         assert_eq!(ix.oldest_unwritten(0, 1).len(), 1);
         assert!(ix.oldest_unwritten(1, 8).is_empty());
+        // A touch of the written block changes nothing in the unwritten order.
+        ix.get_touch(kr(&[1]));
+        ix.get_touch(kr(&[2]));
+        let order: Vec<u8> = ix
+            .oldest_unwritten(0, 8)
+            .into_iter()
+            .map(|(k, _)| k.hash[0])
+            .collect();
+        assert_eq!(order, vec![3, 0, 2]);
         while ix.evict_lru().is_some() {}
         assert_eq!(ix.unwritten_bytes(), 0);
         assert!(ix.oldest_unwritten(0, 8).is_empty());
+        assert!(!ix.mark_written_below(&key("a", 1)));
     }
 
     #[test]
@@ -423,5 +1071,239 @@ mod tests {
             group: 1,
             hash: &[1]
         }));
+    }
+
+    #[test]
+    fn long_hashes_are_stored_and_compared_whole() {
+        let ix = BlockIndex::new();
+        let long: Vec<u8> = (0..200u8).collect();
+        let mut other = long.clone();
+        other[199] ^= 1;
+        let k = BlockKey {
+            namespace: "a".into(),
+            group: 0,
+            hash: long.clone().into(),
+        };
+        assert!(ix.insert(k.clone(), block(1)));
+        assert!(ix.contains(kr(&long)));
+        assert!(!ix.contains(kr(&other)));
+        assert!(!ix.contains(kr(&long[..32])));
+        assert_eq!(ix.shard_keys_all(), vec![k]);
+    }
+
+    #[test]
+    fn touch_prefix_stops_at_the_first_miss_and_touches_only_the_prefix() {
+        let ix = BlockIndex::new();
+        for h in 0..6 {
+            ix.insert(key("a", h), block(1));
+        }
+        // 0, 1, 2 resident, 9 missing, 3 resident beyond the miss.
+        let hashes: Vec<Vec<u8>> = vec![vec![0], vec![1], vec![2], vec![9], vec![3]];
+        let hits = ix.touch_prefix("a", 0, &hashes);
+        assert_eq!(hits.len(), 3);
+        drop(hits);
+        // LRU now: 3, 4, 5 (untouched, oldest first), then 0, 1, 2 in request order.
+        let order: Vec<u8> = std::iter::from_fn(|| ix.evict_lru().map(|e| e.key.hash[0])).collect();
+        assert_eq!(order, vec![3, 4, 5, 0, 1, 2]);
+        assert!(ix.touch_prefix("a", 0, &hashes).is_empty());
+        assert!(ix.touch_prefix("a", 0, &[]).is_empty());
+    }
+
+    #[test]
+    fn batch_calls_agree_with_single_ones() {
+        let ix = BlockIndex::new();
+        let ns: Arc<str> = "a".into();
+        let hashes: Vec<Vec<u8>> = (0..100u8).map(|h| vec![h, 7]).collect();
+        let ins: Vec<(u32, &[u8], Arc<SealedBlock>, bool)> = hashes
+            .iter()
+            .map(|h| (0, h.as_slice(), block(2), h[0] % 2 == 0))
+            .chain(std::iter::once((0, hashes[0].as_slice(), block(2), false)))
+            .collect();
+        let done = ix.insert_many(&ns, ins);
+        assert!(done[..100].iter().all(|&d| d));
+        assert!(!done[100], "a repeat in one batch keeps the first");
+        assert_eq!(ix.resident_blocks(), 100);
+        assert_eq!(ix.resident_bytes(), 200);
+        assert_eq!(ix.unwritten_bytes(), 100);
+        let probe: Vec<&[u8]> = vec![&hashes[3], &[1, 2, 3], &hashes[99]];
+        assert_eq!(ix.contains_many("a", 0, &probe), vec![true, false, true]);
+        assert_eq!(ix.contains_many("a", 1, &probe), vec![false; 3]);
+        // Inserted in list order: the first is the oldest.
+        let first = ix.evict_lru_batch(5, 1000);
+        let got: Vec<u8> = first.iter().map(|e| e.key.hash[0]).collect();
+        assert_eq!(got, vec![0, 1, 2], "stops once 5 bytes are freed");
+        assert!(first[0].written_below && !first[1].written_below);
+        assert_eq!(
+            ix.evict_lru_batch(u64::MAX, 10).len(),
+            10,
+            "at most max_blocks"
+        );
+        assert_eq!(ix.resident_blocks(), 87);
+        assert_eq!(ix.unwritten_bytes(), 87 / 2 * 2 + 2);
+        ix.clear();
+        assert_eq!(ix.resident_blocks(), 0);
+        assert_eq!(ix.resident_bytes(), 0);
+        assert_eq!(ix.unwritten_bytes(), 0);
+    }
+
+    impl BlockIndex {
+        fn shard_keys_all(&self) -> Vec<BlockKey> {
+            (0..self.shard_count())
+                .flat_map(|i| self.shard_keys(i))
+                .collect()
+        }
+    }
+
+    mod model {
+        //! The index against a plain model: a list of keys in LRU order (oldest first), with
+        //! a held flag and a written flag each.
+
+        use super::*;
+        use proptest::prelude::*;
+
+        #[derive(Debug, Clone)]
+        enum Op {
+            Insert(u8, bool),
+            Touch(u8),
+            Prefix(Vec<u8>),
+            Hold(u8),
+            Unhold(u8),
+            Evict,
+            EvictBatch(u8, u8),
+            MarkWritten(u8),
+        }
+
+        fn op() -> impl Strategy<Value = Op> {
+            let k = 0u8..24;
+            prop_oneof![
+                4 => (k.clone(), any::<bool>()).prop_map(|(k, w)| Op::Insert(k, w)),
+                3 => k.clone().prop_map(Op::Touch),
+                2 => proptest::collection::vec(0u8..24, 0..6).prop_map(Op::Prefix),
+                1 => k.clone().prop_map(Op::Hold),
+                1 => k.clone().prop_map(Op::Unhold),
+                2 => Just(Op::Evict),
+                1 => (0u8..40, 1u8..6).prop_map(|(b, m)| Op::EvictBatch(b, m)),
+                1 => k.prop_map(Op::MarkWritten),
+            ]
+        }
+
+        struct Model {
+            /// (key, footprint, written), oldest first.
+            lru: Vec<(u8, u64, bool)>,
+        }
+
+        impl Model {
+            fn pos(&self, k: u8) -> Option<usize> {
+                self.lru.iter().position(|e| e.0 == k)
+            }
+            fn touch(&mut self, k: u8) -> bool {
+                match self.pos(k) {
+                    Some(p) => {
+                        let e = self.lru.remove(p);
+                        self.lru.push(e);
+                        true
+                    }
+                    None => false,
+                }
+            }
+        }
+
+        type Held = std::collections::HashMap<u8, Arc<SealedBlock>>;
+
+        fn fp(k: u8) -> u64 {
+            u64::from(k % 5) + 1
+        }
+
+        proptest! {
+            #[test]
+            fn index_matches_an_lru_list(ops in proptest::collection::vec(op(), 1..120)) {
+                let ix = BlockIndex::new();
+                let mut m = Model { lru: Vec::new() };
+                let mut held: Held = Default::default();
+                let evictable = |m: &Model, held: &Held| {
+                    m.lru.iter().position(|e| !held.contains_key(&e.0))
+                };
+                for o in ops {
+                    match o {
+                        Op::Insert(k, w) => {
+                            let fresh = m.pos(k).is_none();
+                            prop_assert_eq!(ix.insert_marked(key("a", k), block(fp(k)), w), fresh);
+                            if fresh {
+                                m.lru.push((k, fp(k), w));
+                            }
+                        }
+                        Op::Touch(k) => {
+                            prop_assert_eq!(ix.get_touch(kr(&[k])).is_some(), m.touch(k));
+                        }
+                        Op::Prefix(ks) => {
+                            let hashes: Vec<Vec<u8>> = ks.iter().map(|&k| vec![k]).collect();
+                            let got = ix.touch_prefix("a", 0, &hashes).len();
+                            let mut want = 0;
+                            for &k in &ks {
+                                if !m.touch(k) {
+                                    break;
+                                }
+                                want += 1;
+                            }
+                            prop_assert_eq!(got, want);
+                        }
+                        Op::Hold(k) => {
+                            // Holding is what a lease does: a reference, with a touch.
+                            if let Some(b) = ix.get_touch(kr(&[k])) {
+                                m.touch(k);
+                                held.insert(k, b);
+                            }
+                        }
+                        Op::Unhold(k) => {
+                            held.remove(&k);
+                        }
+                        Op::Evict => {
+                            let want = evictable(&m, &held).map(|p| m.lru.remove(p));
+                            let got = ix.evict_lru();
+                            prop_assert_eq!(
+                                got.as_ref().map(|e| (e.key.hash[0], e.written_below)),
+                                want.map(|e| (e.0, e.2))
+                            );
+                        }
+                        Op::EvictBatch(bytes, max) => {
+                            let got: Vec<u8> = ix
+                                .evict_lru_batch(u64::from(bytes), usize::from(max))
+                                .into_iter()
+                                .map(|e| e.key.hash[0])
+                                .collect();
+                            let mut want = Vec::new();
+                            let mut freed = 0;
+                            while freed < u64::from(bytes) && want.len() < usize::from(max) {
+                                let Some(p) = evictable(&m, &held) else { break };
+                                let e = m.lru.remove(p);
+                                freed += e.1;
+                                want.push(e.0);
+                            }
+                            prop_assert_eq!(got, want);
+                        }
+                        Op::MarkWritten(k) => {
+                            let present = m.pos(k);
+                            prop_assert_eq!(ix.mark_written_below(&key("a", k)), present.is_some());
+                            if let Some(p) = present {
+                                m.lru[p].2 = true;
+                            }
+                        }
+                    }
+                    prop_assert_eq!(ix.resident_blocks(), m.lru.len() as u64);
+                    prop_assert_eq!(ix.resident_bytes(), m.lru.iter().map(|e| e.1).sum::<u64>());
+                    let unwritten: Vec<u8> = m.lru.iter().filter(|e| !e.2).map(|e| e.0).collect();
+                    prop_assert_eq!(
+                        ix.unwritten_bytes(),
+                        m.lru.iter().filter(|e| !e.2).map(|e| e.1).sum::<u64>()
+                    );
+                    let got: Vec<u8> = ix
+                        .oldest_unwritten(0, 100)
+                        .into_iter()
+                        .map(|(k, _)| k.hash[0])
+                        .collect();
+                    prop_assert_eq!(got, unwritten);
+                }
+            }
+        }
     }
 }

@@ -25,7 +25,7 @@ use std::time::Duration;
 use serde::{Deserialize, Serialize};
 use tokio::sync::broadcast;
 
-pub use index::{BlockIndex, Evicted};
+pub use index::{BlockIndex, Evicted, NewBlock};
 pub use promote::PrefixAnswer;
 
 use crate::block::{BlockKey, KeyRef, SealedBlock};
@@ -300,12 +300,14 @@ impl TierStack {
     /// Indexes a block sealed by a Save as most recently used. False (and the existing block
     /// kept) when the key is already resident.
     pub fn insert_sealed(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
-        let k = key.clone();
-        // Blocks of groups > 0 are never demoted: they count as handled.
-        let handled = key.group != 0;
+        // The key is only copied for the event bus when someone listens.
+        let k = (self.events.tx.receiver_count() > 0).then(|| key.clone());
+        let handled = self.handled_at_seal(key.group);
         if self.index.insert_marked(key, block, handled) {
             self.metrics.cache_block_insertions.inc();
-            self.emit(IndexEventKind::Sealed, &k);
+            if let Some(k) = k {
+                self.emit(IndexEventKind::Sealed, &k);
+            }
             if let Some(d) = &self.demoter {
                 d.kick();
             }
@@ -313,6 +315,74 @@ impl TierStack {
         } else {
             false
         }
+    }
+
+    /// Whether a block of `group` sealed now counts as handled below DRAM: blocks of a group
+    /// other than 0 are never demoted, and without a lower tier nothing is (so the index
+    /// keeps no write-behind order for them).
+    fn handled_at_seal(&self, group: u32) -> bool {
+        group != 0 || self.lower.is_empty()
+    }
+
+    /// [`TierStack::insert_sealed`] for a batch of blocks of `namespace`, sealed in list order
+    /// (`(group, hash, block)`; the last one newest), taking each index shard's lock once.
+    /// Returns per block whether it was indexed (false: already resident, the existing block
+    /// kept).
+    pub fn insert_sealed_many(
+        &self,
+        namespace: &Arc<str>,
+        blocks: Vec<(u32, &[u8], Arc<SealedBlock>)>,
+    ) -> Vec<bool> {
+        let listen = self.events.tx.receiver_count() > 0;
+        let keys: Vec<(u32, &[u8])> = if listen {
+            blocks.iter().map(|(g, h, _)| (*g, *h)).collect()
+        } else {
+            Vec::new()
+        };
+        let done = self.index.insert_many(
+            namespace,
+            blocks
+                .into_iter()
+                .map(|(g, h, b)| (g, h, b, self.handled_at_seal(g)))
+                .collect(),
+        );
+        let n = done.iter().filter(|&&d| d).count() as u64;
+        if n > 0 {
+            self.metrics.cache_block_insertions.inc_by(n);
+            for (&(group, hash), _) in keys.iter().zip(&done).filter(|(_, &d)| d) {
+                let key = BlockKey {
+                    namespace: namespace.clone(),
+                    group,
+                    hash: hash.into(),
+                };
+                self.emit(IndexEventKind::Sealed, &key);
+            }
+            if let Some(d) = &self.demoter {
+                d.kick();
+            }
+        }
+        done
+    }
+
+    /// For each of `hashes` (under `namespace` and `group`), whether it is resident in DRAM
+    /// (no recency change; a block waiting in the demotion queue is taken back, as in
+    /// [`TierStack::contains`]). Each index shard's lock is taken once.
+    pub fn contains_many(&self, namespace: &str, group: u32, hashes: &[&[u8]]) -> Vec<bool> {
+        let mut out = self.index.contains_many(namespace, group, hashes);
+        if self.demoter.is_some() {
+            for (h, o) in hashes.iter().zip(out.iter_mut()) {
+                if !*o {
+                    *o = self
+                        .reclaim_demoting(KeyRef {
+                            namespace,
+                            group,
+                            hash: h,
+                        })
+                        .is_some();
+                }
+            }
+        }
+        out
     }
 
     /// Bytes of not-yet-written blocks above which write-behind runs: none when the first
@@ -336,21 +406,23 @@ impl TierStack {
         group: u32,
         hashes: &[Vec<u8>],
     ) -> Vec<Arc<SealedBlock>> {
-        let mut hits = Vec::new();
-        for h in hashes {
+        // Batched over the index's shards; a miss may be a block waiting for demotion, taken
+        // back, after which the walk goes on.
+        let mut hits = self.index.touch_prefix(namespace, group, hashes);
+        while hits.len() < hashes.len() {
             let key = KeyRef {
                 namespace,
                 group,
-                hash: h,
+                hash: &hashes[hits.len()],
             };
-            match self
-                .index
-                .get_touch(key)
-                .or_else(|| self.reclaim_demoting(key))
-            {
+            match self.reclaim_demoting(key) {
                 Some(b) => hits.push(b),
                 None => break,
             }
+            let more = self
+                .index
+                .touch_prefix(namespace, group, &hashes[hits.len()..]);
+            hits.extend(more);
         }
         hits
     }
@@ -392,14 +464,27 @@ impl TierStack {
             }
             // Evict least recently used blocks until the free bytes cover the request — at
             // least one per round, since a concurrent save may take what was freed — then retry.
+            // Without a lower tier an evicted block's footprint is freed at once, so a batch
+            // evicts exactly the shortfall; with one, evicted blocks may wait in the demotion
+            // queue, so they go one at a time and the pool's free bytes are re-read each time.
+            let per_batch = if self.demoter.is_some() { 1 } else { 256 };
+            // Keys are only built for someone who needs them: the demotion queue, the bus.
+            let keys = self.demoter.is_some() || self.events.tx.receiver_count() > 0;
             let mut evicted = 0u64;
-            while let Some(e) = self.index.evict_lru() {
-                self.note_eviction(&e.key, &e.block, "pressure");
+            loop {
+                let short = need.saturating_sub(self.pool.free_bytes()).max(1);
+                let batch = self.index.evict_lru_batch_keyed(short, per_batch, keys);
+                if batch.is_empty() {
+                    break;
+                }
+                evicted += batch.len() as u64;
+                self.note_evictions(&batch, "pressure", keys);
                 let before = self.pool.used_bytes();
-                self.demote(e);
+                for e in batch {
+                    self.demote(e);
+                }
                 let freed = before.saturating_sub(self.pool.used_bytes());
                 self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
-                evicted += 1;
                 if self.pool.free_bytes() >= need {
                     break;
                 }
@@ -429,6 +514,28 @@ impl TierStack {
         match &self.demoter {
             Some(d) if e.key.group == 0 && !e.written_below => d.enqueue(e.key, e.block),
             _ => drop(e),
+        }
+    }
+
+    /// [`TierStack::note_eviction`] for a batch: the labelled series are looked up once.
+    /// Events are published only for a batch evicted with its keys.
+    fn note_evictions(&self, batch: &[Evicted], reason: &str, keyed: bool) {
+        let m = &self.metrics;
+        let n = batch.len() as u64;
+        m.cache_block_evictions.inc_by(n);
+        m.cache_block_evictions_by_class
+            .with_label_values(&["retained"])
+            .inc_by(n);
+        let residence = m.cache_residence_duration.with_label_values(&[reason]);
+        let now = std::time::Instant::now();
+        for e in batch {
+            residence.observe(
+                now.saturating_duration_since(e.block.sealed_at)
+                    .as_secs_f64(),
+            );
+            if keyed {
+                self.emit(IndexEventKind::Evicted, &e.key);
+            }
         }
     }
 
