@@ -216,7 +216,7 @@ async fn a_frozen_source_times_out_and_is_suspect() {
     assert_eq!(s.hits, 0);
     assert!(s.loading > 0);
     assert!(
-        s.took < Duration::from_millis(800 + 700),
+        s.took < Duration::from_millis(800 + 1200),
         "timed out within the fetch deadline: {:?}",
         s.took
     );
@@ -274,7 +274,7 @@ async fn a_failed_peer_falls_through_to_the_ssd_in_the_same_request() {
     assert_eq!(s.hits, 8, "the SSD served what the peer did not: {s:?}");
     assert!(s.loading > 0);
     assert!(
-        s.took < Duration::from_millis(800 + 1500),
+        s.took < Duration::from_millis(800 + 2000),
         "one task, one deadline: {:?}",
         s.took
     );
