@@ -10,6 +10,11 @@
 //!   the QueryPrefetch that mints the lease is not timed;
 //! - `memcpy`: `copy_from_slice` of the same blocks between two pre-touched 32 MiB buffers.
 //!
+//! After each size's benchmarks it prints the per-phase breakdown of 20 more engine Saves and
+//! Loads (`phases save 8KiB: …`), from the server's `pegaflow_rpc_phase_seconds` series, plus
+//! the time to decode the Save request (`decode::save` of the wire message, outside the
+//! engine). Set `PF_BENCH_PHASES_ONLY=1` to skip the criterion groups and print only those.
+//!
 //! Run: `cargo bench -p pegaflow-bench --bench transfer`.
 
 mod common;
@@ -18,6 +23,7 @@ use std::time::{Duration, Instant};
 
 use common::{hash, lease_of, lease_of_client, runtime, Fixture};
 use criterion::{criterion_group, criterion_main, BenchmarkId, Criterion, Throughput};
+use pegaflow_runtime::metrics::{LoadPhase, Metrics, SavePhase};
 
 const BATCH: usize = 32 << 20;
 const SIZES: [usize; 6] = [8 << 10, 32 << 10, 128 << 10, 256 << 10, 512 << 10, 2 << 20];
@@ -31,8 +37,49 @@ fn label(size: usize) -> String {
     }
 }
 
+/// (sum in seconds, count) of every Save and Load phase series.
+fn phase_snapshot(m: &Metrics) -> Vec<(f64, u64)> {
+    let p = &m.rpc_phases;
+    SavePhase::ALL
+        .iter()
+        .map(|&ph| p.save(ph))
+        .chain(LoadPhase::ALL.iter().map(|&ph| p.load(ph)))
+        .map(|h| (h.get_sample_sum(), h.get_sample_count()))
+        .collect()
+}
+
+/// Prints the mean time per RPC of each phase between two snapshots, in µs.
+fn print_phases(size: usize, before: &[(f64, u64)], after: &[(f64, u64)], decode_us: f64) {
+    let mean = |i: usize| {
+        let n = after[i].1 - before[i].1;
+        (after[i].0 - before[i].0) / n.max(1) as f64 * 1e6
+    };
+    let ns = SavePhase::ALL.len();
+    let save: Vec<String> = SavePhase::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{} {:.0}", p.label(), mean(i)))
+        .collect();
+    let load: Vec<String> = LoadPhase::ALL
+        .iter()
+        .enumerate()
+        .map(|(i, p)| format!("{} {:.0}", p.label(), mean(ns + i)))
+        .collect();
+    println!(
+        "phases save {}: decode {decode_us:.0}, {} (µs per 32 MiB Save)",
+        label(size),
+        save.join(", ")
+    );
+    println!(
+        "phases load {}: {} (µs per 32 MiB Load)",
+        label(size),
+        load.join(", ")
+    );
+}
+
 fn transfer_benches(c: &mut Criterion) {
     let rt = runtime();
+    let phases_only = std::env::var_os("PF_BENCH_PHASES_ONLY").is_some();
     for &size in &SIZES {
         let n = BATCH / size;
         let fx = rt.block_on(Fixture::new(POOL, 1, 2 * n, size / 2));
@@ -49,35 +96,37 @@ fn transfer_benches(c: &mut Criterion) {
             rt.block_on(fx.engine().save(fx.save_request(&ids, &h)))
                 .expect("save");
         }
+        let mut client = fx.client.clone();
         let mut g = c.benchmark_group("save");
         g.throughput(Throughput::Bytes(BATCH as u64));
-        let mut client = fx.client.clone();
-        g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let h = fresh(n);
-                    let saves = vec![(pegaflow_bench::server::layer_name(0), ids.clone(), h)];
-                    let t = Instant::now();
-                    rt.block_on(client.save(&fx.instance, 0, 0, 0, saves))
-                        .expect("save");
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
-        g.bench_function(BenchmarkId::new("engine", label(size)), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let req = fx.save_request(&ids, &fresh(n));
-                    let t = Instant::now();
-                    rt.block_on(fx.engine().save(req)).expect("save");
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
+        if !phases_only {
+            g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let h = fresh(n);
+                        let saves = vec![(pegaflow_bench::server::layer_name(0), ids.clone(), h)];
+                        let t = Instant::now();
+                        rt.block_on(client.save(&fx.instance, 0, 0, 0, saves))
+                            .expect("save");
+                        total += t.elapsed();
+                    }
+                    total
+                })
+            });
+            g.bench_function(BenchmarkId::new("engine", label(size)), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let req = fx.save_request(&ids, &fresh(n));
+                        let t = Instant::now();
+                        rt.block_on(fx.engine().save(req)).expect("save");
+                        total += t.elapsed();
+                    }
+                    total
+                })
+            });
+        }
         g.finish();
 
         // A resident batch to load, into the other half of the cache.
@@ -87,43 +136,80 @@ fn transfer_benches(c: &mut Criterion) {
         let targets: Vec<u32> = (n as u32..2 * n as u32).collect();
         let mut g = c.benchmark_group("load");
         g.throughput(Throughput::Bytes(BATCH as u64));
-        g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let (hits, lease) = lease_of_client(
-                        rt.block_on(client.query(&fx.instance, resident.clone(), "bench"))
-                            .expect("query"),
-                    );
-                    assert_eq!(hits as usize, n, "the batch must stay resident");
-                    let req = fx.load_request(&lease, &targets);
-                    let t = Instant::now();
-                    rt.block_on(client.load(req)).expect("load");
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
-        g.bench_function(BenchmarkId::new("engine", label(size)), |b| {
-            b.iter_custom(|iters| {
-                let mut total = Duration::ZERO;
-                for _ in 0..iters {
-                    let (hits, lease) = lease_of(
-                        rt.block_on(fx.engine().query(fx.query_request(&resident)))
-                            .expect("query"),
-                    );
-                    assert_eq!(hits as usize, n, "the batch must stay resident");
-                    let req = pegaflow_runtime::decode::load(fx.load_request(&lease, &targets))
-                        .expect("a well-formed load");
-                    let t = Instant::now();
-                    rt.block_on(fx.engine().load(req)).expect("load");
-                    total += t.elapsed();
-                }
-                total
-            })
-        });
+        if !phases_only {
+            g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let (hits, lease) = lease_of_client(
+                            rt.block_on(client.query(&fx.instance, resident.clone(), "bench"))
+                                .expect("query"),
+                        );
+                        assert_eq!(hits as usize, n, "the batch must stay resident");
+                        let req = fx.load_request(&lease, &targets);
+                        let t = Instant::now();
+                        rt.block_on(client.load(req)).expect("load");
+                        total += t.elapsed();
+                    }
+                    total
+                })
+            });
+            g.bench_function(BenchmarkId::new("engine", label(size)), |b| {
+                b.iter_custom(|iters| {
+                    let mut total = Duration::ZERO;
+                    for _ in 0..iters {
+                        let (hits, lease) = lease_of(
+                            rt.block_on(fx.engine().query(fx.query_request(&resident)))
+                                .expect("query"),
+                        );
+                        assert_eq!(hits as usize, n, "the batch must stay resident");
+                        let req = pegaflow_runtime::decode::load(fx.load_request(&lease, &targets))
+                            .expect("a well-formed load");
+                        let t = Instant::now();
+                        rt.block_on(fx.engine().load(req)).expect("load");
+                        total += t.elapsed();
+                    }
+                    total
+                })
+            });
+        }
         g.finish();
+
+        // The phase breakdown of 20 engine Saves and Loads, and the Save request's decoding.
+        let m = fx.engine().metrics().clone();
+        let before = phase_snapshot(&m);
+        let mut decode = Duration::ZERO;
+        for _ in 0..20 {
+            let h = fresh(n);
+            let wire = pegaflow_proto::SaveRequest {
+                instance_id: fx.instance.clone(),
+                tp_rank: 0,
+                pp_rank: 0,
+                device_id: 0,
+                saves: vec![pegaflow_proto::SaveLayer {
+                    layer_name: pegaflow_bench::server::layer_name(0),
+                    block_ids: ids.clone(),
+                    block_hashes: h,
+                }],
+            };
+            let t = Instant::now();
+            let req = pegaflow_runtime::decode::save(wire).expect("a well-formed save");
+            decode += t.elapsed();
+            rt.block_on(fx.engine().save(req)).expect("save");
+            let (_, lease) = lease_of(
+                rt.block_on(fx.engine().query(fx.query_request(&resident)))
+                    .expect("query"),
+            );
+            let req = pegaflow_runtime::decode::load(fx.load_request(&lease, &targets))
+                .expect("a well-formed load");
+            rt.block_on(fx.engine().load(req)).expect("load");
+        }
+        let after = phase_snapshot(&m);
+        print_phases(size, &before, &after, decode.as_secs_f64() / 20.0 * 1e6);
         rt.block_on(fx.server.shutdown());
+        if phases_only {
+            continue;
+        }
 
         let src = vec![0x5Au8; BATCH];
         let mut dst = vec![0u8; BATCH];

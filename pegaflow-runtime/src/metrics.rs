@@ -122,6 +122,161 @@ pub struct Metrics {
     /// Connections accepted and closed at once because their listener's cap was reached, by
     /// listener (`grpc`, `http`) (this server).
     pub connections_refused: IntCounterVec,
+    /// Time a Save or a Load spends in each of its phases inside the engine, in seconds, by
+    /// `rpc` and `phase` (`pegaflow_rpc_phase_seconds`; this server). See [`SavePhase`] and
+    /// [`LoadPhase`] for the phases; the series are resolved once, here.
+    pub rpc_phases: RpcPhases,
+}
+
+/// The phases of a Save inside the engine, in order (the `phase` label of
+/// `pegaflow_rpc_phase_seconds{rpc="save"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum SavePhase {
+    /// Instance lookup, the flush barrier, the worker's gate and ranks, every layer and block
+    /// id checked.
+    Validate,
+    /// One plan entry per block not yet resident (a residency check per hash).
+    Plan,
+    /// Host buffers from the pool, evicting least recently used blocks under pressure.
+    Allocate,
+    /// Building the copy ops, and the batched device → host copy to completion.
+    Copy,
+    /// Sealing the complete blocks and indexing them.
+    Seal,
+    /// The whole Save in the engine (the sum of the above).
+    Total,
+}
+
+impl SavePhase {
+    /// Every phase, in label order.
+    pub const ALL: [SavePhase; 6] = [
+        Self::Validate,
+        Self::Plan,
+        Self::Allocate,
+        Self::Copy,
+        Self::Seal,
+        Self::Total,
+    ];
+
+    /// The `phase` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Validate => "validate",
+            Self::Plan => "plan",
+            Self::Allocate => "allocate",
+            Self::Copy => "copy",
+            Self::Seal => "seal",
+            Self::Total => "total",
+        }
+    }
+}
+
+/// The phases of a Load inside the engine, in order (the `phase` label of
+/// `pegaflow_rpc_phase_seconds{rpc="load"}`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoadPhase {
+    /// Completion word attached, worker, ranks and groups resolved, every lease and target
+    /// checked.
+    Validate,
+    /// The leases consumed and the copy ops built.
+    Plan,
+    /// The batched host → device copy to completion.
+    Copy,
+    /// The completion word written.
+    Complete,
+    /// The whole Load in the engine (for an asynchronous Load, until its copy completes).
+    Total,
+}
+
+impl LoadPhase {
+    /// Every phase, in label order.
+    pub const ALL: [LoadPhase; 5] = [
+        Self::Validate,
+        Self::Plan,
+        Self::Copy,
+        Self::Complete,
+        Self::Total,
+    ];
+
+    /// The `phase` label.
+    pub fn label(self) -> &'static str {
+        match self {
+            Self::Validate => "validate",
+            Self::Plan => "plan",
+            Self::Copy => "copy",
+            Self::Complete => "complete",
+            Self::Total => "total",
+        }
+    }
+}
+
+/// The series of `pegaflow_rpc_phase_seconds`, resolved once so that timing a phase is one
+/// `Instant::now()` and one histogram observation (per RPC, never per block).
+#[derive(Clone)]
+pub struct RpcPhases {
+    family: HistogramVec,
+    save: Vec<Histogram>,
+    load: Vec<Histogram>,
+}
+
+impl RpcPhases {
+    fn new(family: HistogramVec) -> Self {
+        let save = SavePhase::ALL
+            .iter()
+            .map(|p| family.with_label_values(&["save", p.label()]))
+            .collect();
+        let load = LoadPhase::ALL
+            .iter()
+            .map(|p| family.with_label_values(&["load", p.label()]))
+            .collect();
+        Self { family, save, load }
+    }
+
+    /// The series of a Save phase.
+    pub fn save(&self, p: SavePhase) -> &Histogram {
+        &self.save[p as usize]
+    }
+
+    /// The series of a Load phase.
+    pub fn load(&self, p: LoadPhase) -> &Histogram {
+        &self.load[p as usize]
+    }
+
+    /// The family (for tests and dashboards).
+    pub fn family(&self) -> &HistogramVec {
+        &self.family
+    }
+}
+
+/// Times consecutive phases of one RPC: each [`PhaseClock::lap`] observes the time since the
+/// previous lap (or the start) into a phase's series.
+#[derive(Debug, Clone, Copy)]
+pub struct PhaseClock {
+    start: std::time::Instant,
+    last: std::time::Instant,
+}
+
+impl PhaseClock {
+    /// Starts the clock now.
+    pub fn start() -> Self {
+        let now = std::time::Instant::now();
+        Self {
+            start: now,
+            last: now,
+        }
+    }
+
+    /// Observes the seconds since the previous lap into `h` and starts the next phase.
+    pub fn lap(&mut self, h: &Histogram) {
+        let now = std::time::Instant::now();
+        h.observe(now.saturating_duration_since(self.last).as_secs_f64());
+        self.last = now;
+    }
+
+    /// Observes the seconds since the start into `h`.
+    pub fn total(&self, h: &Histogram) {
+        h.observe(self.start.elapsed().as_secs_f64());
+    }
 }
 
 fn exp_buckets(start: f64, factor: f64, n: usize) -> Vec<f64> {
@@ -394,6 +549,14 @@ impl Metrics {
                 ),
                 &["listener"]
             )),
+            rpc_phases: RpcPhases::new(reg!(HistogramVec::new(
+                HistogramOpts::new(
+                    "pegaflow_rpc_phase_seconds",
+                    "Time a Save or Load spends in each phase inside the engine"
+                )
+                .buckets(exp_buckets(1e-6, 4.0, 12)),
+                &["rpc", "phase"]
+            ))),
             registry,
         }
     }

@@ -22,7 +22,7 @@ use super::instance::{Topology, WorkerLayer, WorkerLease};
 use super::Engine;
 use crate::block::SealedBlock;
 use crate::error::{EngineError, EngineResult};
-use crate::metrics::Metrics;
+use crate::metrics::{LoadPhase, Metrics, PhaseClock};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
 /// A validated load, leases consumed: the copy to run and what it must keep alive.
@@ -57,8 +57,9 @@ impl Engine {
     /// Load (see the module doc). Validation failures are returned as errors and written as −1
     /// to the load state; nothing is copied.
     pub async fn load(&self, cmd: LoadCommand) -> EngineResult<()> {
+        let mut clock = PhaseClock::start();
         let state = attach_state(&cmd.completion)?;
-        let prepared = match self.prepare_load(&cmd) {
+        let prepared = match self.prepare_load(&cmd, &mut clock) {
             Ok(p) => p,
             Err(e) => {
                 // The refusal is what the RPC reports; a word that cannot be written is logged.
@@ -72,7 +73,7 @@ impl Engine {
                 self.metrics.load_failures.inc();
             });
         };
-        let task = copy_to_device(self.metrics.clone(), p, state);
+        let task = copy_to_device(self.metrics.clone(), p, state, clock);
         if cmd.completion == LoadCompletion::Wait {
             task.await
         } else {
@@ -82,7 +83,11 @@ impl Engine {
     }
 
     /// Every check, then the leases consumed and the copy planned. `None`: nothing to load.
-    fn prepare_load(&self, cmd: &LoadCommand) -> EngineResult<Option<Prepared>> {
+    fn prepare_load(
+        &self,
+        cmd: &LoadCommand,
+        clock: &mut PhaseClock,
+    ) -> EngineResult<Option<Prepared>> {
         let wl = self.resolve_loader(cmd)?;
         if cmd.leases.is_empty() {
             return Ok(None);
@@ -94,7 +99,10 @@ impl Engine {
         }
         let groups = resolve_groups(&wl, cmd)?;
         let leases = self.check_leases(&wl, cmd, &groups)?;
+        let phases = &self.metrics.rpc_phases;
+        clock.lap(phases.load(LoadPhase::Validate));
         let (ops, blocks, bytes) = self.consume_and_plan(&wl, &groups, leases)?;
+        clock.lap(phases.load(LoadPhase::Plan));
         Ok(Some(Prepared {
             wl,
             ops,
@@ -341,6 +349,7 @@ async fn copy_to_device(
     metrics: Arc<Metrics>,
     p: Prepared,
     state: Option<LoadStateWriter>,
+    mut clock: PhaseClock,
 ) -> EngineResult<()> {
     let transport = p.wl.worker.transport.clone();
     let batch = CopyBatch {
@@ -353,6 +362,8 @@ async fn copy_to_device(
     let keep = (p.blocks, p.wl);
     let t0 = Instant::now();
     let r = Engine::run_copy(transport, batch, keep).await;
+    let phases = &metrics.rpc_phases;
+    clock.lap(phases.load(LoadPhase::Copy));
     match &r {
         Ok(()) => {
             metrics.load_bytes.inc_by(bytes);
@@ -366,6 +377,8 @@ async fn copy_to_device(
     }
     let value = if r.is_ok() { LOAD_SUCCESS } else { LOAD_FAILED };
     let done = complete(state.as_ref(), value);
+    clock.lap(phases.load(LoadPhase::Complete));
+    clock.total(phases.load(LoadPhase::Total));
     // A copy that landed but whose success the client cannot learn counts as a failed load
     // (the client times out and recomputes); a failed copy was counted above.
     if r.is_ok() && done.is_err() {

@@ -8,7 +8,6 @@
 //! Must never: allocate or copy before every check passed, address a block id outside its layer's layout, seal a block
 //! with a missing slot, or let the worker's gate guard go before the copy is done.
 
-use std::collections::HashMap;
 use std::sync::Arc;
 use std::time::Instant;
 
@@ -18,17 +17,53 @@ use super::{Engine, Inflight};
 use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 use crate::buffer::HostBuffer;
 use crate::error::{echo, EngineError, EngineResult};
+use crate::metrics::{PhaseClock, SavePhase};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
-/// One block of a Save request: which slots it brings and where they go in its buffer.
+/// One block of a Save request. Its slots and device parts live in the plan's flat lists
+/// ([`SavePlan`]), so planning allocates nothing per block.
 struct BlockPlan<'a> {
     group: u32,
     hash: &'a [u8],
-    /// (slot index, offset in the buffer, length).
-    slots: Vec<(usize, usize, usize)>,
-    /// (layer, device block id, offset in the buffer).
-    parts: Vec<(&'a WorkerLayer, u32, usize)>,
     len: usize,
+    /// The slot the last layer that added a slot claimed (layer-first: a repeat of that slot
+    /// is the same hash twice in one layer, and the first wins).
+    last_slot: Option<usize>,
+    /// The layer that last added a part (page-first: a repeat is the same hash twice).
+    last_layer: Option<&'a WorkerLayer>,
+}
+
+/// The plan of a Save: one block per (group, hash) not yet resident, in request order, and
+/// the slots and device parts that fill them, flat, in the order the layers were planned.
+struct SavePlan<'a> {
+    blocks: Vec<BlockPlan<'a>>,
+    /// (block, slot index, offset in the block's buffer, length).
+    slots: Vec<(u32, usize, usize, usize)>,
+    /// (block, layer, device block id, offset in the block's buffer).
+    parts: Vec<(u32, &'a WorkerLayer, u32, usize)>,
+}
+
+impl SavePlan<'_> {
+    /// The slot records of each block: `slots` reordered block by block (stable), and where
+    /// each block's records start (`starts[b]..starts[b + 1]`).
+    fn slots_by_block(&self) -> (Vec<(usize, usize, usize)>, Vec<u32>) {
+        let n = self.blocks.len();
+        let mut starts = vec![0u32; n + 1];
+        for &(b, ..) in &self.slots {
+            starts[b as usize + 1] += 1;
+        }
+        for b in 0..n {
+            starts[b + 1] += starts[b];
+        }
+        let mut fill = starts.clone();
+        let mut out = vec![(0, 0, 0); self.slots.len()];
+        for &(b, slot, off, len) in &self.slots {
+            let at = &mut fill[b as usize];
+            out[*at as usize] = (slot, off, len);
+            *at += 1;
+        }
+        (out, starts)
+    }
 }
 
 /// Appends the copy ops moving `layer`'s block `block_id` to/from `buf` at `buf_off`, merging
@@ -76,7 +111,8 @@ impl Engine {
     /// allocate → copy → seal. INVALID_ARGUMENT / FAILED_PRECONDITION before any allocation
     /// or copy.
     pub async fn save(&self, cmd: SaveCommand) -> EngineResult<()> {
-        let t_rpc = Instant::now();
+        let mut clock = PhaseClock::start();
+        let phases = &self.metrics.rpc_phases;
         let inst = self.instance(&cmd.instance_id)?;
         let saves: Vec<&SaveLayer> = cmd
             .layers
@@ -89,17 +125,21 @@ impl Engine {
         let _flush = self.flush_barrier.read().await;
         let wl = resolve_saver(&inst, &cmd)?;
         let layers = check_save_layers(&wl, &cmd, &saves)?;
-        let plans = self.plan_save(&inst.namespace, &wl.topology, &saves, &layers)?;
-        if plans.is_empty() {
+        clock.lap(phases.save(SavePhase::Validate));
+        let plan = self.plan_save(&inst.namespace, &wl.topology, &saves, &layers)?;
+        clock.lap(phases.save(SavePhase::Plan));
+        if plan.blocks.is_empty() {
             return Ok(());
         }
-        let bufs = self.allocate_save(&plans)?;
-        self.copy_to_host(&wl, &plans, &bufs).await?;
+        let bufs = self.allocate_save(&plan.blocks)?;
+        clock.lap(phases.save(SavePhase::Allocate));
+        let bufs = self.copy_to_host(&wl, &plan, bufs).await?;
+        clock.lap(phases.save(SavePhase::Copy));
         self.seal(
             inst.serial,
             &inst.namespace,
             &wl.topology.groups,
-            plans,
+            plan,
             bufs,
         );
         // The gate guard goes last: teardown may only release the worker once nothing here
@@ -107,7 +147,9 @@ impl Engine {
         drop(layers);
         drop(wl);
         self.update_gauges();
-        tracing::debug!(instance = %inst.id, total_us = t_rpc.elapsed().as_micros() as u64, "save done");
+        clock.lap(phases.save(SavePhase::Seal));
+        clock.total(phases.save(SavePhase::Total));
+        tracing::debug!(instance = %inst.id, "save done");
         Ok(())
     }
 
@@ -119,84 +161,92 @@ impl Engine {
         topo: &Topology,
         saves: &[&'a SaveLayer],
         layers: &[ResolvedLayer<'a>],
-    ) -> EngineResult<Vec<BlockPlan<'a>>> {
-        // Plan: one entry per (group, hash) not yet resident, in request order.
-        let mut plans: Vec<BlockPlan<'_>> = Vec::new();
-        let mut by_key: HashMap<(u32, &[u8]), usize> = HashMap::new();
+    ) -> EngineResult<SavePlan<'a>> {
+        let mut plan = SavePlan {
+            blocks: Vec::new(),
+            slots: Vec::new(),
+            parts: Vec::new(),
+        };
+        let plans = &mut plan.blocks;
+        let mut by_key: hashbrown::HashMap<(u32, &[u8]), u32> = hashbrown::HashMap::new();
         // Layers usually carry the same hash list: reuse the previous layer's position → plan
         // mapping instead of looking every (layer, block) up again.
         // (group, hash list, plan index per position) of the previous layer.
-        type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<usize>>);
+        type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<u32>>);
         let mut prev: Option<Positions<'_>> = None;
         for (s, &(layer, slot, page_off)) in saves.iter().zip(layers) {
             let block_bytes = layer.layout.block_bytes() as usize;
             let reuse = prev
                 .as_ref()
                 .is_some_and(|(g, h, _)| *g == layer.group && **h == s.hashes);
-            let positions: Vec<Option<usize>> = if reuse {
+            let positions: Vec<Option<u32>> = if reuse {
                 prev.take().expect("checked").2
             } else {
-                s.hashes
+                // One residency check per index shard for the whole list.
+                let hashes: Vec<&[u8]> = s.hashes.iter().map(Vec::as_slice).collect();
+                let resident = self.store.contains_many(ns, layer.group, &hashes);
+                hashes
                     .iter()
-                    .map(|hash| {
-                        let key = (layer.group, hash.as_slice());
+                    .zip(resident)
+                    .map(|(&hash, resident)| {
+                        let key = (layer.group, hash);
                         if let Some(&i) = by_key.get(&key) {
                             return Some(i);
                         }
-                        if self.store.contains(KeyRef {
-                            namespace: ns,
-                            group: layer.group,
-                            hash,
-                        }) {
+                        if resident {
                             return None;
                         }
+                        let i = plans.len() as u32;
                         plans.push(BlockPlan {
                             group: layer.group,
                             hash,
-                            slots: vec![],
-                            parts: vec![],
                             len: 0,
+                            last_slot: None,
+                            last_layer: None,
                         });
-                        by_key.insert(key, plans.len() - 1);
-                        Some(plans.len() - 1)
+                        by_key.insert(key, i);
+                        Some(i)
                     })
                     .collect()
             };
+            if plan.parts.capacity() == 0 {
+                plan.parts.reserve(plans.len() * saves.len());
+                plan.slots.reserve(plans.len() * saves.len());
+            }
             for (&bid, idx) in s.block_ids.iter().zip(&positions) {
                 let Some(idx) = *idx else { continue };
-                let p = &mut plans[idx];
+                let p = &mut plans[idx as usize];
                 if topo.page_first {
-                    if p.slots.is_empty() {
+                    if p.len == 0 {
                         let Some(page) = topo.slot_bytes(layer.group, slot) else {
                             return Err(EngineError::internal(format!(
                                 "no page {slot} in the sealed topology"
                             )));
                         };
-                        p.slots.push((slot, 0, page));
+                        plan.slots.push((idx, slot, 0, page));
                         p.len = page;
                     }
                     // Parts of one layer are pushed together: a repeat is the same hash twice.
-                    if p.parts
-                        .last()
-                        .is_some_and(|(l, _, _)| std::ptr::eq(*l, layer))
-                    {
+                    if p.last_layer.is_some_and(|l| std::ptr::eq(l, layer)) {
                         continue;
                     }
-                    p.parts.push((layer, bid, page_off));
+                    plan.parts.push((idx, layer, bid, page_off));
+                    p.last_layer = Some(layer);
                 } else {
                     // Each layer has its own slot and pushes its parts together, so a repeat of
                     // this layer's slot is the same hash twice in one layer: first wins.
-                    if p.slots.last().is_some_and(|s| s.0 == slot) {
+                    if p.last_slot == Some(slot) {
                         continue;
                     }
-                    p.slots.push((slot, p.len, block_bytes));
-                    p.parts.push((layer, bid, p.len));
+                    plan.slots.push((idx, slot, p.len, block_bytes));
+                    plan.parts.push((idx, layer, bid, p.len));
                     p.len += block_bytes;
+                    p.last_slot = Some(slot);
                 }
             }
             prev = Some((layer.group, &s.hashes, positions));
         }
-        Ok(plans)
+        Ok(plan)
     }
 
     /// Host buffers for the plans, all or nothing (the store evicts under pressure).
@@ -210,18 +260,17 @@ impl Engine {
             .collect())
     }
 
-    /// One batched device → host copy of every planned part, with its metrics.
+    /// One batched device → host copy of every planned part, with its metrics. Returns the
+    /// buffers (held by the copy while it runs).
     async fn copy_to_host(
         &self,
         wl: &WorkerLease,
-        plans: &[BlockPlan<'_>],
-        bufs: &[Arc<HostBuffer>],
-    ) -> EngineResult<()> {
-        let mut ops = Vec::new();
-        for (p, buf) in plans.iter().zip(bufs) {
-            for &(layer, bid, off) in &p.parts {
-                push_ops(&mut ops, layer, bid as u64, buf, off);
-            }
+        plan: &SavePlan<'_>,
+        bufs: Vec<Arc<HostBuffer>>,
+    ) -> EngineResult<Vec<Arc<HostBuffer>>> {
+        let mut ops = Vec::with_capacity(plan.parts.len() * 2);
+        for &(b, layer, bid, off) in &plan.parts {
+            push_ops(&mut ops, layer, bid as u64, &bufs[b as usize], off);
         }
         let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
         let batch = CopyBatch {
@@ -232,7 +281,9 @@ impl Engine {
         };
         let t0 = Instant::now();
         let transport = wl.worker.transport.clone();
-        let keep = (bufs.to_vec(), wl.worker.clone());
+        // The copy holds the buffers (one reference for the whole list) until it ends.
+        let bufs = Arc::new(bufs);
+        let keep = (bufs.clone(), wl.worker.clone());
         let r = Self::run_copy(transport, batch, keep).await;
         if let Err(e) = r {
             self.metrics
@@ -243,7 +294,7 @@ impl Engine {
         }
         tracing::debug!(
             instance = %wl.instance.id,
-            blocks = plans.len(),
+            blocks = plan.blocks.len(),
             bytes,
             copy_us = t0.elapsed().as_micros() as u64,
             "save copied"
@@ -252,26 +303,58 @@ impl Engine {
         self.metrics
             .save_duration
             .observe(t0.elapsed().as_secs_f64());
-        Ok(())
+        // The copy task dropped its reference before it completed.
+        Ok(Arc::try_unwrap(bufs).unwrap_or_else(|shared| shared.as_ref().clone()))
     }
 
     /// Adds the copied slots to their partly saved blocks (`writer`: the saving instance's
-    /// serial) and seals every block that has all its slots.
+    /// serial) and seals every block that has all its slots. A block whose slots all came
+    /// in this save, with no partly saved entry of its key, is sealed directly (no entry).
+    /// The sealed blocks are indexed together, in request order.
     fn seal(
         &self,
         writer: u64,
         ns: &Arc<str>,
         groups: &[super::instance::GroupInfo],
-        plans: Vec<BlockPlan<'_>>,
+        plan: SavePlan<'_>,
         bufs: Vec<Arc<HostBuffer>>,
     ) {
+        let (slot_recs, starts) = plan.slots_by_block();
+        let now = Instant::now();
+        let mut sealed: Vec<(u32, &[u8], Arc<SealedBlock>)> = Vec::with_capacity(plan.blocks.len());
         let mut inflight = self.inflight.lock();
-        for (p, buf) in plans.into_iter().zip(bufs) {
-            let key = BlockKey {
-                namespace: ns.clone(),
-                group: p.group,
-                hash: p.hash.into(),
-            };
+        let mut inflight_changed = false;
+        for ((bi, p), buf) in plan.blocks.iter().enumerate().zip(bufs) {
+            let recs = &slot_recs[starts[bi] as usize..starts[bi + 1] as usize];
+            let total = groups[p.group as usize].total_slots;
+            let fp = self.store.pool().footprint_bytes(buf.len());
+            // Every slot, once each, in slot order (layers are planned in id order, so a
+            // complete block's records usually are).
+            if recs.len() == total && recs.iter().enumerate().all(|(i, r)| r.0 == i) {
+                let partial = !inflight.is_empty()
+                    && inflight.contains_key(&BlockKey {
+                        namespace: ns.clone(),
+                        group: p.group,
+                        hash: p.hash.into(),
+                    });
+                if !partial {
+                    let block = Arc::new(SealedBlock {
+                        group: p.group,
+                        slots: recs
+                            .iter()
+                            .map(|&(_, off, len)| Slot {
+                                buf: buf.clone(),
+                                offset: off,
+                                len,
+                            })
+                            .collect(),
+                        footprint: fp,
+                        sealed_at: now,
+                    });
+                    sealed.push((p.group, p.hash, block));
+                    continue;
+                }
+            }
             if self.store.contains(KeyRef {
                 namespace: ns,
                 group: p.group,
@@ -279,8 +362,12 @@ impl Engine {
             }) {
                 continue; // sealed by a concurrent save meanwhile
             }
-            let total = groups[p.group as usize].total_slots;
-            let fp = self.store.pool().footprint_bytes(buf.len());
+            let key = BlockKey {
+                namespace: ns.clone(),
+                group: p.group,
+                hash: p.hash.into(),
+            };
+            inflight_changed = true;
             let entry = inflight
                 .entry(key.clone())
                 .or_insert_with(|| Inflight::new(total));
@@ -293,7 +380,7 @@ impl Engine {
                 *entry = Inflight::new(total);
             }
             let mut used = false;
-            for &(slot, off, len) in &p.slots {
+            for &(slot, off, len) in recs {
                 if entry.slots[slot].is_none() {
                     entry.slots[slot] = Some(Slot {
                         buf: buf.clone(),
@@ -319,13 +406,17 @@ impl Engine {
                     group: p.group,
                     slots: e.slots.into_iter().map(|s| s.expect("filled")).collect(),
                     footprint: e.footprint,
-                    sealed_at: Instant::now(),
+                    sealed_at: now,
                 });
-                self.store.insert_sealed(key, block);
+                sealed.push((p.group, p.hash, block));
             }
         }
-        let bytes: u64 = inflight.values().map(|e| e.footprint).sum();
-        self.metrics.inflight_bytes.set(bytes as i64);
+        // Indexed while the in-flight map is still locked, as a per-block insert would be.
+        self.store.insert_sealed_many(ns, sealed);
+        if inflight_changed {
+            let bytes: u64 = inflight.values().map(|e| e.footprint).sum();
+            self.metrics.inflight_bytes.set(bytes as i64);
+        }
     }
 }
 

@@ -4,10 +4,19 @@
 //! neighbours on release) and by `(len, offset)` (for best-fit and largest-first search) — and
 //! the count of free bytes. Offsets are bytes from the start of the pool's mapping.
 //!
-//! Must never: hand out a range twice, keep two adjacent free ranges uncoalesced, or accept a
-//! returned range that overlaps a free one (that would be a double free; it is refused).
+//! Ranges released by buffers are first queued ([`FreeList::defer`]: no tree work per buffer)
+//! and merged in one sorted pass ([`FreeList::settle`]) before anything searches the trees, or
+//! once [`PENDING_MAX`] are queued: blocks freed together (an eviction batch) were usually
+//! allocated together, so they coalesce into a few ranges first. Queued bytes count as free.
+//!
+//! Must never: hand out a range twice, keep two adjacent free ranges uncoalesced once settled,
+//! or accept a returned range that overlaps a free one (that would be a double free; it is
+//! refused, at once or when the queue is settled, and counted in [`FreeList::take_refused`]).
 
 use std::collections::{BTreeMap, BTreeSet};
+
+/// Released ranges queued before they are merged into the trees.
+pub(crate) const PENDING_MAX: usize = 1024;
 
 /// The free ranges of one shard.
 #[derive(Debug, Default)]
@@ -16,8 +25,12 @@ pub(crate) struct FreeList {
     by_offset: BTreeMap<usize, usize>,
     /// (len, offset).
     by_size: BTreeSet<(usize, usize)>,
-    /// Sum of all free lengths, in bytes.
+    /// Sum of all free lengths, in bytes (queued ones included).
     free: usize,
+    /// Released `(offset, len)` ranges not yet merged into the trees.
+    pending: Vec<(usize, usize)>,
+    /// Bytes of queued ranges refused when settled (double frees), not yet reported.
+    refused: usize,
 }
 
 /// A returned range overlapped memory that is already free.
@@ -39,23 +52,89 @@ impl FreeList {
         self.free
     }
 
-    /// Number of free ranges.
-    pub(crate) fn extent_count(&self) -> usize {
+    /// Number of free ranges (after settling the queue).
+    pub(crate) fn extent_count(&mut self) -> usize {
+        self.settle();
         self.by_offset.len()
     }
 
-    /// Length of the largest free range, in bytes (0 when full).
-    pub(crate) fn largest(&self) -> usize {
+    /// Length of the largest free range, in bytes (0 when full; after settling the queue).
+    pub(crate) fn largest(&mut self) -> usize {
+        self.settle();
         self.by_size.last().map_or(0, |&(len, _)| len)
     }
 
-    /// Free ranges `(offset, len)` in offset order.
-    pub(crate) fn ranges(&self) -> impl Iterator<Item = (usize, usize)> + '_ {
+    /// Free ranges `(offset, len)` in offset order (after settling the queue).
+    pub(crate) fn ranges(&mut self) -> impl Iterator<Item = (usize, usize)> + '_ {
+        self.settle();
         self.by_offset.iter().map(|(&o, &l)| (o, l))
     }
 
-    /// Whether `[offset, offset + len)` lies entirely inside one free range.
-    pub(crate) fn contains(&self, offset: usize, len: usize) -> bool {
+    /// Queues `[offset, offset + len)` to be returned to the free set (counted free at once);
+    /// the trees take it at the next [`FreeList::settle`], which runs by itself once
+    /// [`PENDING_MAX`] ranges wait.
+    pub(crate) fn defer(&mut self, offset: usize, len: usize) {
+        if len == 0 {
+            return;
+        }
+        self.pending.push((offset, len));
+        self.free += len;
+        if self.pending.len() >= PENDING_MAX {
+            self.settle();
+        }
+    }
+
+    /// Bytes refused as double frees while settling since the last call (they had been
+    /// counted free when queued, and are not).
+    pub(crate) fn take_refused(&mut self) -> usize {
+        std::mem::take(&mut self.refused)
+    }
+
+    /// Merges the queued ranges into the trees: sorted, adjacent ones joined first, so a
+    /// batch of neighbouring buffers costs one tree update. A queued range overlapping a free
+    /// one, or another queued one, is refused (a double free) and counted.
+    pub(crate) fn settle(&mut self) {
+        if self.pending.is_empty() {
+            return;
+        }
+        let mut p = std::mem::take(&mut self.pending);
+        p.sort_unstable_by_key(|r| r.0);
+        // Un-count them: give_back counts what it accepts.
+        self.free -= p.iter().map(|r| r.1).sum::<usize>();
+        let mut i = 0;
+        while i < p.len() {
+            let (start, mut end) = (p[i].0, p[i].0 + p[i].1);
+            let mut j = i + 1;
+            let mut clean = true;
+            while j < p.len() && p[j].0 <= end {
+                if p[j].0 < end {
+                    // Queued twice: a double free.
+                    self.refused += p[j].1;
+                    p[j].1 = 0;
+                    clean = false;
+                } else {
+                    end += p[j].1;
+                }
+                j += 1;
+            }
+            if !clean || self.give_back(start, end - start).is_err() {
+                // Piece by piece, so that only what overlaps is refused.
+                for &(o, l) in &p[i..j] {
+                    if l > 0 && self.give_back(o, l).is_err() {
+                        self.refused += l;
+                    }
+                }
+            }
+            i = j;
+        }
+        p.clear();
+        self.pending = p;
+    }
+
+    /// Whether `[offset, offset + len)` lies entirely inside one free range (after settling
+    /// the queue).
+    pub(crate) fn contains(&mut self, offset: usize, len: usize) -> bool {
+        self.settle();
         self.by_offset
             .range(..=offset)
             .next_back()
@@ -77,6 +156,7 @@ impl FreeList {
     /// Takes `len` bytes from the start of the smallest free range that holds them and
     /// returns their offset; `None` when no single range is large enough.
     pub(crate) fn take_best_fit(&mut self, len: usize) -> Option<usize> {
+        self.settle();
         let &(have, offset) = self.by_size.range((len, 0)..).next()?;
         self.remove_raw(offset, have);
         if have > len {
@@ -93,6 +173,7 @@ impl FreeList {
         len: usize,
         out: &mut Vec<(usize, usize)>,
     ) -> usize {
+        self.settle();
         let mut taken = 0;
         while taken < len {
             let Some(&(have, offset)) = self.by_size.last() else {
@@ -115,6 +196,7 @@ impl FreeList {
         if len == 0 {
             return Ok(());
         }
+        self.settle();
         let end = offset + len;
         let prev = self
             .by_offset
@@ -206,8 +288,49 @@ mod tests {
     }
 
     #[test]
+    fn deferred_ranges_coalesce_count_free_and_refuse_double_frees() {
+        let mut f = FreeList::new(0, 8192);
+        let held: Vec<usize> = (0..8).map(|_| f.take_best_fit(1024).unwrap()).collect();
+        assert_eq!(f.free_bytes(), 0);
+        // Released in a shuffled order: counted free at once, merged into one range.
+        for &i in &[3, 1, 0, 2] {
+            f.defer(held[i], 1024);
+        }
+        assert_eq!(f.free_bytes(), 4096);
+        assert_eq!(f.extent_count(), 1);
+        assert_eq!(f.largest(), 4096);
+        // A double free among queued ranges, and one of an already free range.
+        f.defer(held[5], 1024);
+        f.defer(held[5], 1024);
+        f.defer(held[0], 1024);
+        assert_eq!(f.free_bytes(), 4096 + 3 * 1024);
+        f.settle();
+        assert_eq!(f.take_refused(), 2048);
+        assert_eq!(f.take_refused(), 0);
+        assert_eq!(f.free_bytes(), 5120);
+        assert_eq!(
+            f.ranges().collect::<Vec<_>>(),
+            vec![(0, 4096), (5120, 1024)]
+        );
+        // Searches see queued ranges: 4096..5120 joins both neighbours.
+        f.defer(held[4], 1024);
+        assert_eq!(f.take_best_fit(6144), Some(0));
+        assert_eq!(f.free_bytes(), 0);
+        // The queue settles by itself when full.
+        let mut g = FreeList::new(0, PENDING_MAX * 2 * 512);
+        let offs: Vec<usize> = (0..PENDING_MAX * 2)
+            .map(|_| g.take_best_fit(512).unwrap())
+            .collect();
+        for o in offs.iter().step_by(2) {
+            g.defer(*o, 512);
+        }
+        assert!(g.pending.len() < PENDING_MAX);
+        assert_eq!(g.free_bytes(), PENDING_MAX * 512);
+    }
+
+    #[test]
     fn contains_checks_one_range() {
-        let f = FreeList::new(4096, 4096);
+        let mut f = FreeList::new(4096, 4096);
         assert!(f.contains(4096, 4096));
         assert!(f.contains(5000, 100));
         assert!(!f.contains(0, 4097));

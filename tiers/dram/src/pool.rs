@@ -392,7 +392,7 @@ impl Pool {
                 let end = (off + len) / page * page;
                 while a < end {
                     let c = (end - a).min(TRIM_CHUNK);
-                    let fl = shard.free.lock();
+                    let mut fl = shard.free.lock();
                     // Re-checked under the lock: the range may have been allocated meanwhile.
                     if fl.contains(a, c) {
                         // SAFETY: `[a, a + c)` lies inside the mapping and inside a free range
@@ -420,6 +420,41 @@ impl Pool {
 
 impl HostMemory for Pool {
     fn release(&self, extents: &[Extent]) {
+        if let [e] = extents {
+            // The usual case, a buffer of one extent: no list to build.
+            let Some((o, l)) = self.reserved_range(e) else {
+                tracing::error!(
+                    addr = e.addr,
+                    len = e.len,
+                    "dram pool: released extent is not one of ours; leaked"
+                );
+                return;
+            };
+            let shard = &self.shards[self.shard_index(o)];
+            if !shard.holds(o, l) {
+                tracing::error!(
+                    bytes = l,
+                    "dram pool: released extent crosses its shard; leaked"
+                );
+                return;
+            }
+            // Queued on the shard's free list (merged with its neighbours in one pass later;
+            // counted free at once, and every search settles the queue first).
+            let refused = {
+                let mut fl = shard.free.lock();
+                fl.defer(o, l);
+                fl.take_refused()
+            };
+            self.used.fetch_sub(l, Ordering::Relaxed);
+            if refused > 0 {
+                self.used.fetch_add(refused, Ordering::Relaxed);
+                tracing::error!(
+                    bytes = refused,
+                    "dram pool: released extents overlap free memory (double free?); ignored"
+                );
+            }
+            return;
+        }
         let Some(first) = extents.first() else {
             return;
         };
