@@ -10,7 +10,8 @@
 //! - a stale advertisement: one short answer per request, no retry loop, no suspect mark;
 //! - a source advertising a foreign NUMA node: the fetch lands, nothing local is evicted;
 //! - two nodes fetching from each other at the same moment: both land, neither panics;
-//! - a source restarted (new data port, pooled connections dead) is fetched from again.
+//! - a source restarted (new data port, pooled connections dead) is fetched from again;
+//! - a run split over two holders (the directory's cover plan) lands in one request.
 //!
 //! Skips (printing `SKIP:`) without `redis-server` or a built `pegaflow-server`.
 
@@ -509,6 +510,41 @@ async fn a_restarted_source_is_fetched_from_again() {
     load_exact(&mut wb, &s.lease, 20, &after).await;
     assert_eq!(b.metric("pegaflow_peer_suspect_nodes", &[]), 0.0);
     assert_eq!(b.metric("pegaflow_peer_fetch_failures_total", &[]), 0.0);
+}
+
+/// The directory's cover plan splits the run over two holders (the first holds blocks 0..4,
+/// the second 4..8): one request fetches each segment from its holder and answers Ready
+/// with all 8.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_run_split_over_two_holders_lands_in_one_request() {
+    let Some(env) = env("a_run_split_over_two_holders_lands_in_one_request") else {
+        return;
+    };
+    let o = env.opts("cover");
+    let a = Node::start(&env.bin, "first-holder", &o);
+    let c = Node::start(&env.bin, "second-holder", &o);
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wc = worker(&c, "inst-c", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let hs = hashes("cover", 8);
+    save(&mut wa, 0, &hs[..4]).await;
+    save(&mut wc, 4, &hs[4..]).await;
+    wait_listed(&env, "cover", &a, &hs[..4]).await;
+    wait_listed(&env, "cover", &c, &hs[4..]).await;
+    let s = settle(&mut wb, &hs, "cover", Duration::from_secs(5)).await;
+    assert_eq!(s.hits, 8, "both segments in one request: {s:?}");
+    assert!(s.loading > 0);
+    load_exact(&mut wb, &s.lease, 10, &hs).await;
+    assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 8.0);
+    for holder in [&a, &c] {
+        assert_eq!(
+            holder.metric("pegaflow_peer_serve_bytes_total", &[]),
+            4.0 * (SMALL.layers * 2 * SMALL.segment_bytes) as f64,
+            "{} served its segment",
+            holder.name
+        );
+    }
 }
 
 /// A client of the directory the nodes of `prefix` share.

@@ -12,11 +12,13 @@
 //!
 //! With a peer rung installed ([`TierStack::set_peer`]: a `[peer]` that fetches and a
 //! `[directory]`), the ladder starts one step higher: the directory's cover plan for the
-//! continuation names the node with the longest run (this node excluded); unless that node
-//! is suspect or recently denied holding the run's first block, the task asks the [`PeerFetcher`] for that run first, then falls through to
-//! the lower tiers for whatever is still missing, then to a miss, all in the same task and
-//! under the same deadline. A fetched block enters the index like any promoted block (the
-//! directory publisher advertises it once it is resident).
+//! continuation (this node excluded) names the node with the longest run from the start,
+//! then the nodes of the later segments. The task asks the [`PeerFetcher`] for each
+//! segment from its node in turn (up to the first node that is suspect or recently denied
+//! holding its segment's first block, and stopping at the first segment that lands short),
+//! then falls through to the lower tiers for whatever is still missing, then to a miss, all
+//! in the same task and under the same deadline. A fetched block enters the index like any
+//! promoted block (the directory publisher advertises it once it is resident).
 
 use std::collections::hash_map::DefaultHasher;
 use std::collections::HashMap;
@@ -43,7 +45,8 @@ pub(super) struct PeerRung {
 /// first), then the lower tiers from `first_tier` (with the shapes that tier's lookup
 /// reported, when the query already looked).
 struct Plan {
-    peer: Option<(String, usize)>,
+    /// The directory's segments `(node, run length)`, in hash order.
+    peer: Vec<(String, usize)>,
     first_tier: usize,
     shapes: Option<Vec<BlockShape>>,
 }
@@ -121,33 +124,39 @@ impl TierStack {
         }
     }
 
-    /// The node the directory places the continuation `rest` on, with the length of its
-    /// run, unless the fetcher says to skip it (suspect, or a stale advertisement).
+    /// The directory's cover plan of the continuation `rest`: its segments `(node, run
+    /// length)` in hash order (the first is the node with the longest run from the start),
+    /// up to the first node the fetcher says to skip (suspect, or a stale advertisement of
+    /// that segment's first block). Empty: nothing to fetch from peers.
     async fn peer_plan(
         &self,
         rung: &PeerRung,
         namespace: &str,
         rest: &[Vec<u8>],
-    ) -> Option<(String, usize)> {
-        let plan = rung.directory.query_prefix(namespace, 0, rest).await;
-        let first = plan.into_iter().next()?;
-        let len = (first.prefix_len as usize).min(rest.len());
-        if len == 0 {
-            return None;
+    ) -> Vec<(String, usize)> {
+        let mut out = Vec::new();
+        let mut at = 0usize;
+        for seg in rung.directory.query_prefix(namespace, 0, rest).await {
+            let len = (seg.prefix_len as usize).min(rest.len() - at);
+            if len == 0 {
+                break;
+            }
+            if let Some(why) = rung.fetcher.skip(&seg.node, &rest[at]) {
+                let outcome = if why == "stale" {
+                    "skipped_stale"
+                } else {
+                    "skipped_suspect"
+                };
+                self.metrics
+                    .tier_promotions
+                    .with_label_values(&["peer", outcome])
+                    .inc_by(len as u64);
+                break;
+            }
+            out.push((seg.node, len));
+            at += len;
         }
-        if let Some(why) = rung.fetcher.skip(&first.node, &rest[0]) {
-            let outcome = if why == "stale" {
-                "skipped_stale"
-            } else {
-                "skipped_suspect"
-            };
-            self.metrics
-                .tier_promotions
-                .with_label_values(&["peer", outcome])
-                .inc_by(len as u64);
-            return None;
-        }
-        Some((first.node, len))
+        out
     }
 
     /// The prefix of `hashes` (group 0 of `namespace`) for query `req_id`: Ready with the DRAM
@@ -205,9 +214,10 @@ impl TierStack {
             })
             .collect();
         if let Some(rung) = self.peer.get() {
-            if let Some((node, len)) = self.peer_plan(rung, namespace, &hashes[n..end]).await {
+            let segments = self.peer_plan(rung, namespace, &hashes[n..end]).await;
+            if !segments.is_empty() {
                 let plan = Plan {
-                    peer: Some((node, len)),
+                    peer: segments,
                     first_tier: 0,
                     shapes: None,
                 };
@@ -242,7 +252,7 @@ impl TierStack {
             let mut rest = rest;
             rest.truncate(shapes.len());
             let plan = Plan {
-                peer: None,
+                peer: Vec::new(),
                 first_tier: ti,
                 shapes: Some(shapes),
             };
@@ -335,11 +345,16 @@ impl TierStack {
         expect: Option<BlockShape>,
     ) {
         let mut landed = 0usize;
-        if let Some((node, len)) = &plan.peer {
-            let len = (*len).min(keys.len());
-            landed = self
-                .promote_from_peer(node, &keys[..len], task, expect.as_ref())
+        // The directory's segments in order, each from its node, until one lands short.
+        for (node, len) in &plan.peer {
+            let end = (landed + *len).min(keys.len());
+            let got = self
+                .promote_from_peer(node, &keys[landed..end], task, expect.as_ref())
                 .await;
+            landed += got;
+            if landed < end || Instant::now() >= task.deadline {
+                break;
+            }
         }
         let mut shapes = plan.shapes;
         for ti in plan.first_tier..self.lower.len() {
