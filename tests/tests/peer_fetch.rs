@@ -7,6 +7,7 @@
 //! - the source frozen (SIGSTOP): the fetch times out, the source is suspect and skipped;
 //! - a failed peer falls through to the requester's SSD tier in the same request;
 //! - the requester killed mid-transfer: the source's locks return to 0 within a second;
+//! - the requester frozen mid-transfer: its locks end with their lease;
 //! - a stale advertisement: one short answer per request, no retry loop, no suspect mark;
 //! - a source advertising a foreign NUMA node: the fetch lands, nothing local is evicted;
 //! - two nodes fetching from each other at the same moment: both land, neither panics;
@@ -351,6 +352,64 @@ async fn a_requester_killed_mid_transfer_frees_the_sources_locks_within_a_second
         "the session ended by the disconnect (or by the release, had the pull finished first)"
     );
     assert_eq!(a.metric("pegaflow_transfer_lock_timeouts_total", &[]), 0.0);
+}
+
+/// The requester freezes (SIGSTOP) while it pulls: its connections stay open, so only the
+/// lease can end its locks: they return to 0 within the lease (500 ms here) and a sweep.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_frozen_requester_pins_blocks_no_longer_than_its_lease() {
+    let Some(env) = env("a_frozen_requester_pins_blocks_no_longer_than_its_lease") else {
+        return;
+    };
+    let mut o = env.opts("freeze-requester");
+    o.pool_bytes = 320 << 20;
+    let mut oa = o.clone();
+    oa.peer = Some("lock_lease_ms = 500\nio_timeout_ms = 5000".into());
+    let a = Node::start(&env.bin, "source", &oa);
+    let mut wa = worker(&a, "inst-a", BIG).await;
+    let hs = hashes("freeze-requester", 64);
+    save(&mut wa, 0, &hs).await;
+    wait_listed(&env, "freeze-requester", &a, &hs).await;
+    let mut ob = o.clone();
+    ob.peer = Some("connections_per_peer = 1\nfetch_timeout_ms = 5000".into());
+    ob.promote_deadline_ms = 10_000;
+    let b = Node::start(&env.bin, "requester", &ob);
+    let mut wb = worker(&b, "inst-b", BIG).await;
+    let q = wb
+        .client
+        .query(&wb.instance_id, hs.clone(), "frozen-requester")
+        .await
+        .expect("query");
+    assert!(matches!(q, pegaflow_api::client::QueryOutcome::Loading));
+    let locked = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) > 0.0
+    })
+    .await;
+    assert!(locked.is_some(), "the requester locked the run");
+    b.signal(Signal::SIGSTOP);
+    let freed = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) == 0.0
+    })
+    .await;
+    let expired = a.metric(
+        "pegaflow_transfer_lock_releases_total",
+        &[("reason", "expired")],
+    );
+    let released = a.metric(
+        "pegaflow_transfer_lock_releases_total",
+        &[("reason", "released")],
+    );
+    b.signal(Signal::SIGCONT);
+    let freed = freed.expect("the source's locks return to 0");
+    println!("locks freed {freed:?} after the freeze; expired {expired}, released {released}");
+    assert!(
+        freed < Duration::from_millis(500 + 1000),
+        "within the lease: {freed:?}"
+    );
+    assert!(
+        expired + released >= 1.0,
+        "ended by the lease (or by the release, had the pull finished first)"
+    );
 }
 
 /// The directory lists a node that does not hold the blocks (its entry outlived them): the
