@@ -633,3 +633,49 @@ async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) between two processes on
+/// loopback, by hand: `cargo build --release --bin pegaflow-server`, then
+/// `PEGAFLOW_SERVER_BIN=target/release/pegaflow-server cargo test -p pegaflow-tests --test
+/// peer_fetch -- --ignored --nocapture peer_fetch_throughput`. Prints GB/s (docs/BENCHMARKS.md);
+/// asserts only that the bytes are exact.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, run by hand with the release server"]
+async fn peer_fetch_throughput() {
+    const SHAPE: KvShape = KvShape {
+        layers: 4,
+        num_blocks: 256,
+        segment_bytes: 256 << 10,
+    };
+    let Some(env) = env("peer_fetch_throughput") else {
+        return;
+    };
+    let mut o = env.opts("throughput");
+    o.pool_bytes = 640 << 20;
+    o.promote_deadline_ms = 30_000;
+    let a = Node::start(&env.bin, "source", &o);
+    for conns in [1usize, 4, 8] {
+        let mut ob = o.clone();
+        ob.peer = Some(format!(
+            "connections_per_peer = {conns}\nfetch_timeout_ms = 20000"
+        ));
+        let b = Node::start(&env.bin, "requester", &ob);
+        let mut wa = worker(&a, &format!("inst-a-{conns}"), SHAPE).await;
+        let mut wb = worker(&b, "inst-b", SHAPE).await;
+        let hs = hashes(&format!("throughput-{conns}"), 256);
+        save(&mut wa, 0, &hs).await;
+        wait_listed(&env, "throughput", &a, &hs).await;
+        let s = settle(&mut wb, &hs, "throughput", Duration::from_secs(30)).await;
+        assert_eq!(s.hits, 256);
+        let bytes = 256.0 * (SHAPE.layers * 2 * SHAPE.segment_bytes) as f64;
+        let fetch = b.metric("pegaflow_peer_fetch_duration_seconds_sum", &[]);
+        println!(
+            "connections_per_peer = {conns}: 512 MiB in {:?} from the first query to Ready ({:.2} GB/s); fetch itself {:.3} s ({:.2} GB/s)",
+            s.took,
+            bytes / s.took.as_secs_f64() / 1e9,
+            fetch,
+            bytes / fetch / 1e9
+        );
+        load_exact(&mut wb, &s.lease, 0, &hs).await;
+    }
+}
