@@ -493,11 +493,26 @@ impl BlockIndex {
         let key = |h| kref(namespace, group, h);
         let tags: Vec<u64> = hashes.iter().map(|h| self.tag(&key(h))).collect();
         let by = ByShard::new(&tags);
-        // Pass 1: find every hash (no recency change); the prefix ends at the first miss. Per
-        // shard in two stages, so that the cache misses of different hashes overlap: every
-        // hash's table entry first (prefetching its candidate slot), then the keys compared
-        // (prefetching what the touch pass needs: the block's counts, the LRU neighbours).
+        // Pass 1: find every hash (no recency change); the prefix ends at the first miss. In
+        // two stages over all the shards, so that the cache misses of different hashes
+        // overlap: every hash's table entry first (prefetching its candidate slot), then,
+        // once every shard's candidates are on their way, the keys compared (prefetching what
+        // the touch pass needs: the block's counts, the LRU neighbours). A candidate found in
+        // the first stage is only a hint: the second re-reads it under the lock.
         let mut found = vec![NIL; hashes.len()];
+        for s in 0..SHARDS {
+            let ps = by.of(s);
+            if ps.is_empty() {
+                continue;
+            }
+            let sh = self.shards[s].lock();
+            for &p in ps {
+                let p = p as usize;
+                let c = sh.candidate(tags[p]).unwrap_or(NIL);
+                sh.prefetch_node(c);
+                found[p] = c;
+            }
+        }
         let mut prefix = hashes.len();
         for s in 0..SHARDS {
             let ps = by.of(s);
@@ -505,27 +520,22 @@ impl BlockIndex {
                 continue;
             }
             let sh = self.shards[s].lock();
-            // Positions ascend within a shard: stop at the prefix.
-            let ps = &ps[..ps.partition_point(|&p| (p as usize) < prefix)];
-            for &p in ps {
-                let p = p as usize;
-                let c = sh.candidate(tags[p]).unwrap_or(NIL);
-                sh.prefetch_node(c);
-                found[p] = c;
-            }
             for &p in ps {
                 let p = p as usize;
                 if p >= prefix {
+                    // Positions ascend within a shard: the rest lies beyond the prefix.
                     break;
                 }
                 let k = key(&hashes[p]);
                 let mut i = found[p];
-                let hit = i != NIL && {
-                    let n = sh.node(i);
-                    n.tag == tags[p] && n.matches(&k)
-                };
-                if !hit && i != NIL {
-                    // Another key with the same hash fragment: the full lookup.
+                let hit = sh
+                    .nodes
+                    .get(i as usize)
+                    .and_then(Option::as_ref)
+                    .is_some_and(|n| n.tag == tags[p] && n.matches(&k));
+                if !hit {
+                    // No candidate, another key with the same hash fragment, or the table
+                    // changed since the first stage: the full lookup.
                     i = sh.find(tags[p], &k).unwrap_or(NIL);
                 }
                 found[p] = i;
@@ -609,7 +619,15 @@ impl BlockIndex {
         self.insert_marked(key, block, false)
     }
 
-    fn node_of(&self, tag: u64, key: KeyRef<'_>, block: Arc<SealedBlock>, written: bool) -> Node {
+    /// A node for `key` (whose namespace is `namespace`, shared, not copied).
+    fn node_of(
+        &self,
+        tag: u64,
+        namespace: &Arc<str>,
+        key: KeyRef<'_>,
+        block: Arc<SealedBlock>,
+        written: bool,
+    ) -> Node {
         Node {
             tag,
             block,
@@ -621,7 +639,7 @@ impl BlockIndex {
             group: key.group,
             written_below: written,
             hash: HashBytes::new(key.hash),
-            namespace: key.namespace.into(),
+            namespace: namespace.clone(),
         }
     }
 
@@ -657,9 +675,7 @@ impl BlockIndex {
             return false;
         }
         let fp = block.footprint;
-        let mut node = self.node_of(tag, kr, block, written_below);
-        // The key's namespace is shared, not copied.
-        node.namespace = key.namespace.clone();
+        let mut node = self.node_of(tag, &key.namespace, kr, block, written_below);
         node.stamp = self.ticks(1);
         s.add(node);
         drop(s);
@@ -707,8 +723,7 @@ impl BlockIndex {
                     continue;
                 }
                 let fp = block.footprint;
-                let mut node = self.node_of(tags[p], kr, block, written);
-                node.namespace = namespace.clone();
+                let mut node = self.node_of(tags[p], namespace, kr, block, written);
                 node.stamp = base + p as u64;
                 sh.add(node);
                 out[p] = true;
