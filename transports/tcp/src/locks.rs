@@ -1,7 +1,8 @@
 //! Transfer locks (source side): blocks a peer is about to read, pinned under a session id.
 //!
 //! A session is a lease. `QueryBlocksForTransfer` creates it with `lease` to live; every
-//! read on the data port that names it renews it (data flowing = the requester is alive);
+//! read on the data port that names it, and every socket write of its bytes, renews it
+//! (data flowing = the requester is alive);
 //! it never lives beyond `cap` (`--transfer-lock-timeout-secs`) from its creation. It ends
 //! at the first of: `ReleaseTransferLock`, the requester's last data connection closing
 //! (a killed requester releases at once), its lease running out (a frozen requester), the

@@ -249,11 +249,16 @@ async fn connection(
         let mut parts: Vec<(usize, usize)> = Vec::with_capacity(req.ranges.len() + 1);
         parts.push((header.as_ptr() as usize, header.len()));
         parts.extend(req.ranges.iter().map(|r| (r.addr as usize, r.len as usize)));
+        // Every writev that moves bytes renews the session's lease: a transfer longer than
+        // the lease keeps its lock while data flows.
+        let renew = || {
+            locks.touch(&req.session);
+        };
         // SAFETY: every range lies inside a slot piece of a block `locked` holds (checked
         // above); `locked` lives until the write below has ended; sealed blocks are never
         // written again, so reading them while others read is sound. The header lives on
         // this frame.
-        let r = unsafe { write_all_vectored(&mut s, &parts, limits.io_timeout) }.await;
+        let r = unsafe { write_all_vectored(&mut s, &parts, limits.io_timeout, renew) }.await;
         drop(locked);
         match r {
             Ok(()) => {
@@ -269,7 +274,7 @@ async fn connection(
 }
 
 /// Writes the `(addr, len)` pieces in order with `writev`, at most 512 iovecs per call,
-/// each call bounded by `io_timeout`.
+/// each call bounded by `io_timeout`; `progress` runs after each call that moved bytes.
 ///
 /// # Safety
 /// Every piece must be readable memory that stays valid and unchanged until the returned
@@ -278,6 +283,7 @@ async unsafe fn write_all_vectored(
     s: &mut TcpStream,
     parts: &[(usize, usize)],
     io_timeout: Duration,
+    progress: impl Fn(),
 ) -> std::io::Result<()> {
     const MAX_IOV: usize = 512;
     let mut idx = 0usize;
@@ -307,6 +313,7 @@ async unsafe fn write_all_vectored(
         if n == 0 {
             return Err(std::io::ErrorKind::WriteZero.into());
         }
+        progress();
         while n > 0 && idx < parts.len() {
             let left = parts[idx].1 - skip;
             if n >= left {
