@@ -42,7 +42,11 @@ struct LoadGroup<'a> {
     storage: u32,
 }
 
-/// Appends ops copying `len` bytes of `slot` at `slot_off` into `layer`'s block `dst`.
+/// Appends ops copying `layer`'s block bytes of `slot` at `slot_off` into `layer`'s block
+/// `dst` (`dst` checked against the layout, `slot_off + block bytes` inside the slot).
+///
+/// A slot in one host extent (the common case: a block's save allocates one buffer) is
+/// addressed directly; fragmented buffers go through the general piece walk.
 fn push_load_ops(
     ops: &mut Vec<CopyOp>,
     layer: &WorkerLayer,
@@ -50,7 +54,39 @@ fn push_load_ops(
     slot: &super::Slot,
     slot_off: usize,
 ) {
-    super::save::push_ops(ops, layer, dst, &slot.buf, slot.offset + slot_off);
+    let off = slot.offset + slot_off;
+    let [extent] = slot.buf.extents() else {
+        return super::save::push_ops(ops, layer, dst, &slot.buf, off);
+    };
+    let len = layer.layout.block_bytes() as usize;
+    assert!(
+        off.checked_add(len).is_some_and(|e| e <= extent.len),
+        "range {off}+{len} outside a {} byte buffer",
+        extent.len
+    );
+    let base = layer.addr(0);
+    let mut host = extent.addr + off;
+    let ranges = layer
+        .layout
+        .ranges(dst)
+        .expect("block id validated against the layout");
+    for r in ranges {
+        let op = CopyOp {
+            device_addr: base + r.offset,
+            host_addr: host,
+            len: r.len as usize,
+        };
+        host += op.len;
+        match ops.last_mut() {
+            Some(l)
+                if l.device_addr + l.len as u64 == op.device_addr
+                    && l.host_addr + l.len == op.host_addr =>
+            {
+                l.len += op.len
+            }
+            _ => ops.push(op),
+        }
+    }
 }
 
 impl Engine {
@@ -180,7 +216,20 @@ impl Engine {
         groups: &[LoadGroup<'_>],
         leases: Vec<([u8; LEASE_BYTES], &LeaseLoad)>,
     ) -> EngineResult<(Vec<CopyOp>, Vec<Arc<[Arc<SealedBlock>]>>, u64)> {
-        let mut ops = Vec::new();
+        // Every target names one block per layer of its group, each block at most `segments`
+        // ranges: reserve for that, so the vector never grows while it is filled.
+        let mut want = 0usize;
+        for (_, ll) in &leases {
+            for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
+                let per_block: usize = g
+                    .layers
+                    .iter()
+                    .map(|(_, l, _, _)| l.layout.segments() as usize)
+                    .sum();
+                want += targets.iter().flatten().count() * per_block;
+            }
+        }
+        let mut ops = Vec::with_capacity(want);
         let mut held = Vec::with_capacity(leases.len());
         let mut bytes = 0u64;
         for (id, ll) in leases {
@@ -312,6 +361,22 @@ fn check_group_targets(
         )));
     }
     let storage = g.storage;
+    // Per layer, once: its slot, the slot length this instance's layout stores for the group
+    // (`None`: the topology has no such slot) and its block count; the smallest block count
+    // bounds every destination.
+    let per_layer: Vec<(&str, usize, Option<usize>, u64)> = g
+        .layers
+        .iter()
+        .map(|&(name, l, slot, _)| {
+            (
+                name,
+                slot,
+                topo.slot_bytes(storage, slot),
+                l.layout.num_blocks(),
+            )
+        })
+        .collect();
+    let min_blocks = per_layer.iter().map(|p| p.3).min().unwrap_or(0);
     for (b, t) in blocks.iter().zip(targets) {
         let Some(dst) = *t else {
             continue;
@@ -322,17 +387,20 @@ fn check_group_targets(
                 b.group
             )));
         }
-        for &(name, l, slot, _) in &g.layers {
-            if dst as u64 >= l.layout.num_blocks() {
-                return Err(EngineError::invalid(format!(
-                    "destination block id {dst} out of range for layer {name} ({} blocks)",
-                    l.layout.num_blocks()
-                )));
-            }
+        if u64::from(dst) >= min_blocks {
+            let (name, _, _, n) = per_layer
+                .iter()
+                .find(|p| u64::from(dst) >= p.3)
+                .expect("some layer has the smallest block count");
+            return Err(EngineError::invalid(format!(
+                "destination block id {dst} out of range for layer {name} ({n} blocks)"
+            )));
+        }
+        for &(name, slot, want, _) in &per_layer {
             let ok = b
                 .slots
                 .get(slot)
-                .zip(topo.slot_bytes(b.group, slot))
+                .zip(want)
                 .is_some_and(|(s, want)| s.len == want);
             if !ok {
                 return Err(EngineError::invalid(format!(
