@@ -150,6 +150,8 @@ pub struct StagedPlan {
     /// The chunks, in order; a worker runs chunk `i` on staging buffer `i % buffers`.
     pub chunks: Vec<ChunkSpan>,
     order: Vec<usize>,
+    /// The first chunk's limit; each later chunk's doubles, up to the plan's chunk size.
+    ramp: u64,
     used: u64,
     chunk_pieces: usize,
     chunk_copies: usize,
@@ -178,6 +180,15 @@ impl StagedPlan {
     /// every op in host-address order, then [`StagedPlan::finish`]. After each `push`,
     /// `chunks` holds the chunks closed so far; a closed chunk never changes again.
     pub fn begin(&mut self) {
+        self.begin_ramped(u64::MAX);
+    }
+
+    /// Like [`StagedPlan::begin`], with chunks that start small and double: chunk `i` holds
+    /// at most `min(chunk, first << i)` bytes, so that the first copy starts after a short
+    /// gather (or the first scatter after a short copy) and the pipeline fills at once, while
+    /// later chunks are large. `first` below 2 × [`STAGING_ALIGN`] is raised to it.
+    pub fn begin_ramped(&mut self, first: u64) {
+        self.ramp = first.max(2 * STAGING_ALIGN);
         self.pieces.clear();
         self.host_copies.clear();
         self.chunks.clear();
@@ -210,11 +221,21 @@ impl StagedPlan {
         self.chunk_copies = self.host_copies.len();
     }
 
-    fn place(&mut self, op: &CopyOp, chunk: u64, boundaries: &[usize]) {
+    /// The byte limit of the chunk being filled: `chunk`, or less early in a ramp.
+    fn limit(&self, chunk: u64) -> u64 {
+        if self.ramp == 0 {
+            return chunk;
+        }
+        let shift = self.chunks.len().min(63) as u32;
+        chunk.min(self.ramp.saturating_mul(1u64 << shift))
+    }
+
+    fn place(&mut self, op: &CopyOp, max_chunk: u64, boundaries: &[usize]) {
         let mut h = op.host_addr;
         let mut d = op.device_addr;
         let mut left = op.len as u64;
         while left > 0 {
+            let chunk = self.limit(max_chunk);
             // Continue the chunk's last host copy when this piece follows it in host memory
             // and no pinned-range boundary starts here.
             let continues = self.host_copies.len() > self.chunk_copies
@@ -445,6 +466,28 @@ mod tests {
         // Plan something else first: a reused plan must not keep stale state.
         plan.build(&ops[..ops.len() / 2], chunk, &[]);
         plan.build(ops, chunk, boundaries);
+        check_plan(&plan, ops, chunk, boundaries, &dev, host_len);
+        // The same streamed with a ramp (as the worker plans), from the smallest chunk.
+        plan.begin_ramped(0);
+        let mut scratch = Vec::new();
+        for i in HostOrder::new(ops, &mut scratch) {
+            plan.push(&ops[i], chunk, boundaries);
+        }
+        plan.finish();
+        check_plan(&plan, ops, chunk, boundaries, &dev, host_len);
+    }
+
+    /// Runs `plan` both ways on CPU memories: ToHost must give the ops' bytes in host memory,
+    /// ToDevice must bring them back to the device side.
+    fn check_plan(
+        plan: &StagedPlan,
+        ops: &[CopyOp],
+        chunk: u64,
+        boundaries: &[usize],
+        dev: &[u8],
+        host_len: usize,
+    ) {
+        let dev_len = dev.len();
         // ToHost through staging.
         let mut host = vec![0u8; host_len];
         let mut expect = vec![0u8; host_len];
@@ -549,6 +592,30 @@ mod tests {
             let mut want: Vec<usize> = (0..ops.len()).collect();
             want.sort_by_key(|&i| ops[i].host_addr);
             prop_assert_eq!(got, want);
+        }
+    }
+
+    #[test]
+    fn ramped_chunks_double_up_to_the_chunk_size() {
+        // 60 MiB of contiguous 32 KiB ops: chunks of 1, 2, 4, 8, 16, 16, 13 MiB.
+        let seg = 32usize << 10;
+        let ops: Vec<CopyOp> = (0..(60 * 32))
+            .map(|i| op((i as u64 * 7 % 1920) * seg as u64, (1 << 40) + i * seg, seg))
+            .collect();
+        let mut plan = StagedPlan::default();
+        plan.begin_ramped(1 << 20);
+        for o in &ops {
+            plan.push(o, 16 << 20, &[]);
+        }
+        plan.finish();
+        let sizes: Vec<u64> = plan.chunks.iter().map(|c| c.used >> 20).collect();
+        assert_eq!(sizes, vec![1, 2, 4, 8, 16, 16, 13]);
+        for c in &plan.chunks {
+            assert_eq!(
+                c.host_copies.len(),
+                1,
+                "contiguous host memory: one copy per chunk"
+            );
         }
     }
 

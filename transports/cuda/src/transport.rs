@@ -43,6 +43,10 @@ use crate::CUDA_DOMAIN;
 pub const KERNEL_PTX: &str = include_str!("kernels.ptx");
 const KERNEL_NAME: &std::ffi::CStr = c"pf_copy";
 const BLOCK_THREADS: u32 = 256;
+/// The first staging chunk of a batch holds at most this many bytes; each next one doubles up
+/// to `staging_chunk` ([`StagedPlan::begin_ramped`]): the copy engine starts after a gather
+/// of 2 MiB rather than of a whole chunk, and small batches still overlap gather and copy.
+const FIRST_CHUNK_BYTES: u64 = 2 << 20;
 
 /// Which transfer mode a batch runs in, relative to the batch's [`TransferMode`] hint.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -890,7 +894,7 @@ impl Worker {
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
         let mut order = std::mem::take(&mut self.order);
-        plan.begin();
+        plan.begin_ramped(FIRST_CHUNK_BYTES);
         let mut issued = 0;
         let mut submissions = 0;
         let mut r = Ok(());
