@@ -46,10 +46,12 @@ struct LoadGroup<'a> {
 /// `dst` (`dst` checked against the layout, `slot_off + block bytes` inside the slot).
 ///
 /// A slot in one host extent (the common case: a block's save allocates one buffer) is
-/// addressed directly; fragmented buffers go through the general piece walk.
+/// addressed directly; fragmented buffers go through the general piece walk. `base` is
+/// `layer.addr(0)`, looked up once per load.
 fn push_load_ops(
     ops: &mut Vec<CopyOp>,
     layer: &WorkerLayer,
+    base: u64,
     dst: u64,
     slot: &super::Slot,
     slot_off: usize,
@@ -64,7 +66,6 @@ fn push_load_ops(
         "range {off}+{len} outside a {} byte buffer",
         extent.len
     );
-    let base = layer.addr(0);
     let mut host = extent.addr + off;
     let ranges = layer
         .layout
@@ -235,14 +236,22 @@ impl Engine {
         for (id, ll) in leases {
             let blocks = self.leases.consume(&id, &wl.instance.id)?;
             for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
+                // Per layer, once: its device base address; and the bytes of one block over
+                // the group's layers.
+                let layers: Vec<(&WorkerLayer, u64, usize, usize)> = g
+                    .layers
+                    .iter()
+                    .map(|&(_, l, slot, off)| (l, l.addr(0), slot, off))
+                    .collect();
+                let per_block: u64 = layers.iter().map(|(l, ..)| l.layout.block_bytes()).sum();
                 for (b, t) in blocks.iter().zip(targets.iter()) {
                     let Some(dst) = *t else {
                         continue;
                     };
-                    for &(_, l, slot, off) in &g.layers {
-                        push_load_ops(&mut ops, l, dst as u64, &b.slots[slot], off);
-                        bytes += l.layout.block_bytes();
+                    for &(l, base, slot, off) in &layers {
+                        push_load_ops(&mut ops, l, base, u64::from(dst), &b.slots[slot], off);
                     }
+                    bytes += per_block;
                 }
             }
             held.push(blocks);

@@ -106,7 +106,8 @@ pub struct CudaTransportConfig {
     pub policy: Policy,
     /// `kernel_path`: `"staged"` (default) or `"mapped"`.
     pub kernel_path: KernelPath,
-    /// `staging_chunk`: bytes per staging buffer, default 16 MiB.
+    /// `staging_chunk`: bytes per staging buffer, default 64 MiB (a batch's first chunks are
+    /// smaller: they ramp from 2 MiB).
     #[serde(with = "pegaflow_runtime::config::size")]
     pub staging_chunk: u64,
     /// `staging_buffers`: staging buffers (and streams) per worker, 2 to 8, default 2. Chunk
@@ -135,7 +136,7 @@ impl Default for CudaTransportConfig {
         Self {
             policy: Policy::Auto,
             kernel_path: KernelPath::Staged,
-            staging_chunk: 16 << 20,
+            staging_chunk: 64 << 20,
             staging_buffers: 2,
             direct_min_bytes: 8 << 20,
             pin: true,
@@ -227,6 +228,8 @@ impl CudaTransportConfig {
 struct Job {
     batch: CopyBatch,
     reply: oneshot::Sender<Result<CopyReport, TransportError>>,
+    /// When `copy` sent it (the debug log's `queued_us`: how long it waited for the worker).
+    sent: std::time::Instant,
 }
 
 struct Shared {
@@ -400,7 +403,12 @@ impl CudaTransport {
         }
         let tx = self.worker(ordinal, batch.direction)?;
         let (reply, rx) = oneshot::channel();
-        tx.send(Job { batch, reply }).await.map_err(|_| {
+        let job = Job {
+            batch,
+            reply,
+            sent: std::time::Instant::now(),
+        };
+        tx.send(job).await.map_err(|_| {
             TransportError(format!("the cuda copy worker of GPU {ordinal} is gone"))
         })?;
         rx.await.map_err(|_| {
@@ -476,7 +484,8 @@ fn worker_main(
         }
     };
     while let Some(job) = rx.blocking_recv() {
-        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(&job.batch)))
+        let queued_us = job.sent.elapsed().as_micros() as u64;
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(&job.batch, queued_us)))
             .unwrap_or_else(|_| {
                 // Whatever was enqueued must finish before the buffers can be reused.
                 let _ = w.sync();
@@ -639,7 +648,7 @@ impl Worker {
         first
     }
 
-    fn run(&mut self, batch: &CopyBatch) -> Result<CopyReport, CudaError> {
+    fn run(&mut self, batch: &CopyBatch, queued_us: u64) -> Result<CopyReport, CudaError> {
         let t0 = std::time::Instant::now();
         let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
         let path = self.choose(batch);
@@ -658,6 +667,7 @@ impl Worker {
             ?path,
             ops = batch.ops.len(),
             bytes,
+            queued_us,
             enqueue_us = enqueued.as_micros() as u64,
             total_us = t0.elapsed().as_micros() as u64,
             "copy batch"
@@ -1235,7 +1245,7 @@ direct_min_bytes = "1mb""#,
         let defaults = defaults_of::<CudaTransportConfig>();
         assert_eq!(
             defaults["staging_chunk"],
-            toml::Value::String("16mb".into())
+            toml::Value::String("64mb".into())
         );
         assert_eq!(defaults["policy"], toml::Value::String("auto".into()));
         assert_eq!(
