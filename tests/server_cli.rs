@@ -617,6 +617,64 @@ fn the_readme_pipeline_example_is_valid() {
     let p = path.to_str().unwrap();
     run(&["--config", p, "--check-config"]);
     run(&["--config", p, "--pool-size", "64gb", "--check-config"]);
+    start_the_readme_example(p);
+}
+
+/// Starts the server on the README's pipeline exactly as printed (its fixed ports and socket
+/// path), checks it serves `/health`, `/metrics` and the side channel, and stops it with
+/// SIGTERM (exit 0). Skipped with a message where those ports are taken or `/run` is not
+/// writable.
+fn start_the_readme_example(config: &str) {
+    let busy = ["127.0.0.1:50055", "0.0.0.0:9091"]
+        .into_iter()
+        .find(|a| std::net::TcpListener::bind(a).is_err());
+    if let Some(a) = busy {
+        println!("SKIP: starting the README example: {a} is in use on this machine");
+        return;
+    }
+    let sock_dir = std::path::Path::new("/run/pegaflow");
+    let made_dir = !sock_dir.exists();
+    if made_dir && std::fs::create_dir(sock_dir).is_err() {
+        println!("SKIP: starting the README example: cannot create /run/pegaflow (not root?)");
+        return;
+    }
+    if made_dir {
+        // Let the server create it, as it would on a fresh machine.
+        let _ = std::fs::remove_dir(sock_dir);
+    }
+    let mut child = KillOnDrop(
+        Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+            .args(["--config", config])
+            .stdout(std::process::Stdio::null())
+            .stderr(std::process::Stdio::null())
+            .spawn()
+            .unwrap(),
+    );
+    let deadline = Instant::now() + Duration::from_secs(20);
+    while health("127.0.0.1:9091").is_none() {
+        assert!(
+            Instant::now() < deadline,
+            "the README example did not start"
+        );
+        std::thread::sleep(Duration::from_millis(50));
+    }
+    assert_eq!(http_status("127.0.0.1:9091", "/metrics"), 200);
+    assert!(sock_dir.join("fd.sock").exists(), "no side-channel socket");
+    let pid = child.0.id() as i32;
+    nix::sys::signal::kill(
+        nix::unistd::Pid::from_raw(pid),
+        nix::sys::signal::Signal::SIGTERM,
+    )
+    .unwrap();
+    let status = child.0.wait().unwrap();
+    assert_eq!(status.code(), Some(0), "SIGTERM stops the server cleanly");
+    assert!(
+        !sock_dir.join("fd.sock").exists(),
+        "the socket is removed on stop"
+    );
+    if made_dir {
+        let _ = std::fs::remove_dir(sock_dir);
+    }
 }
 
 /// docs/OPERATIONS.md stays true to `--list-plugins`: its table of linked kinds names every
