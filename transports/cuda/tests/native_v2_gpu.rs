@@ -628,6 +628,12 @@ async fn v2_bench_glm52_layout_against_one_fused_allocation() {
     // Give the pool's background pinning a head start.
     tokio::time::sleep(Duration::from_secs(5)).await;
     let client = Client::connect(&srv.endpoint()).await.unwrap();
+    let fused = VmmAllocation::new(0, blocks * LOGICAL_BLOCK).unwrap();
+    // Warm-up, not measured: one round trip through every path before the first layout.
+    let mut b = RegistrationBuilder::new(0);
+    let a = b.allocation(&fused);
+    b.contiguous_tensor("page", a, 0, blocks as u64, LOGICAL_BLOCK as u64);
+    bench_layout(&client, "warmup", &b, blocks, count, 2).await;
     let mut rows = Vec::new();
 
     let rank = Rank::new(blocks, |bytes| VmmAllocation::new(0, bytes).unwrap());
@@ -638,7 +644,6 @@ async fn v2_bench_glm52_layout_against_one_fused_allocation() {
     drop(rank);
 
     let layout = glm52_layout();
-    let fused = VmmAllocation::new(0, blocks * LOGICAL_BLOCK).unwrap();
     let mut b = RegistrationBuilder::new(0);
     let a = b.allocation(&fused);
     let mut off = 0u64;
