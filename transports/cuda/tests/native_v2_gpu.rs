@@ -30,6 +30,10 @@ use pegaflow_transport_cuda::vmm::live_mappings;
 // Link the landing tier so its factory registers (this crate's own kinds are linked by use).
 use pegaflow_tier_dram as _;
 
+/// The in-process tests run one at a time (they count the process's live mappings), also
+/// without `--test-threads=1`.
+static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
+
 fn gpu_tests() -> bool {
     if std::env::var("PEGAFLOW_GPU_TESTS").as_deref() == Ok("1") {
         return true;
@@ -295,6 +299,7 @@ async fn v2_vmm_glm52_roundtrip_is_byte_exact() {
     if !gpu_tests() {
         return;
     }
+    let _serial = SERIAL.lock().await;
     let srv = Server::start("2gb").await;
     let rank = Rank::new(BLOCKS, |bytes| VmmAllocation::new(0, bytes).unwrap());
     let client = Client::connect(&srv.endpoint()).await.unwrap();
@@ -332,6 +337,7 @@ async fn v2_vmm_import_failure_at_allocation_k_releases_every_mapping() {
     if !gpu_tests() {
         return;
     }
+    let _serial = SERIAL.lock().await;
     let srv = Server::start("1gb").await;
     let rank = Rank::new(BLOCKS, |bytes| VmmAllocation::new(0, bytes).unwrap());
     let k = 61;
@@ -443,6 +449,7 @@ async fn v2_ipc_glm52_roundtrip_is_byte_exact() {
     if !gpu_tests() {
         return;
     }
+    let _serial = SERIAL.lock().await;
     let srv = Server::start("2gb").await;
     let mut child = spawn_child("v2_ipc_roundtrip_child", IPC_CHILD_ENV, &srv.endpoint());
     let done = watchdog(&child, 180);
@@ -508,6 +515,7 @@ async fn v2_vmm_killed_client_mid_save_is_cleaned_up_and_serves_no_stale_bytes()
     if !gpu_tests() {
         return;
     }
+    let _serial = SERIAL.lock().await;
     let srv = Server::start("2gb").await;
     let mut child = spawn_child("v2_killed_client_child", KILLED_CHILD_ENV, &srv.endpoint());
     let done = watchdog(&child, 180);
@@ -618,6 +626,7 @@ async fn v2_bench_glm52_layout_against_one_fused_allocation() {
     if !gpu_tests() {
         return;
     }
+    let _serial = SERIAL.lock().await;
     let count: usize = std::env::var("PEGAFLOW_V2_BENCH_BLOCKS")
         .ok()
         .and_then(|s| s.parse().ok())
