@@ -78,15 +78,7 @@ fn push_load_ops(
             len: r.len as usize,
         };
         host += op.len;
-        match ops.last_mut() {
-            Some(l)
-                if l.device_addr + l.len as u64 == op.device_addr
-                    && l.host_addr + l.len == op.host_addr =>
-            {
-                l.len += op.len
-            }
-            _ => ops.push(op),
-        }
+        super::save::push_merged(ops, op);
     }
 }
 

@@ -82,23 +82,30 @@ pub(super) fn push_ops(
     for r in ranges {
         let mut dev = layer.addr(r.offset);
         for piece in buf.pieces(buf_off, r.len as usize) {
-            let op = CopyOp {
-                device_addr: dev,
-                host_addr: piece.addr,
-                len: piece.len,
-            };
-            match ops.last_mut() {
-                Some(l)
-                    if l.device_addr + l.len as u64 == op.device_addr
-                        && l.host_addr + l.len == op.host_addr =>
-                {
-                    l.len += op.len
-                }
-                _ => ops.push(op),
-            }
+            push_merged(
+                ops,
+                CopyOp {
+                    device_addr: dev,
+                    host_addr: piece.addr,
+                    len: piece.len,
+                },
+            );
             dev += piece.len as u64;
         }
         buf_off += r.len as usize;
+    }
+}
+
+/// Appends `op` to `ops`, extending the last op instead when `op` continues it on both sides.
+pub(super) fn push_merged(ops: &mut Vec<CopyOp>, op: CopyOp) {
+    match ops.last_mut() {
+        Some(l)
+            if l.device_addr + l.len as u64 == op.device_addr
+                && l.host_addr + l.len == op.host_addr =>
+        {
+            l.len += op.len
+        }
+        _ => ops.push(op),
     }
 }
 
