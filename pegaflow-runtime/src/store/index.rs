@@ -802,26 +802,27 @@ impl BlockIndex {
         }
         let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
         // Each shard's oldest evictable entry.
-        let mut cur: Vec<Option<u32>> = guards.iter().map(|g| g.evictable_from(g.tail)).collect();
+        // Each shard's oldest evictable entry, with its stamp: (stamp, slot), u64::MAX if none.
+        let head_of = |g: &Shard, from: u32| match g.evictable_from(from) {
+            Some(i) => (g.node(i).stamp, i),
+            None => (u64::MAX, NIL),
+        };
+        let mut cur: Vec<(u64, u32)> = guards.iter().map(|g| head_of(g, g.tail)).collect();
         let mut freed = 0u64;
+        out.reserve(max_blocks.min(1024));
         while freed < min_bytes && out.len() < max_blocks {
-            let mut best: Option<(u64, usize)> = None;
-            for (si, c) in cur.iter().enumerate() {
-                if let Some(i) = *c {
-                    let st = guards[si].node(i).stamp;
-                    if best.is_none_or(|(b, _)| st < b) {
-                        best = Some((st, si));
-                    }
-                }
-            }
-            let Some((_, si)) = best else {
+            let (si, &(stamp, i)) = cur
+                .iter()
+                .enumerate()
+                .min_by_key(|(_, c)| c.0)
+                .expect("there are shards");
+            if stamp == u64::MAX {
                 break;
-            };
+            }
             let g = &mut guards[si];
-            let i = cur[si].expect("chosen shard has a candidate");
             let newer = g.node(i).prev;
             let n = g.remove(i);
-            cur[si] = g.evictable_from(newer);
+            cur[si] = head_of(g, newer);
             freed += n.block.footprint;
             out.push(n);
         }
