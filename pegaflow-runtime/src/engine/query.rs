@@ -9,7 +9,6 @@
 use super::command::{QueryAnswer, QueryCommand};
 use super::instance::Instance;
 use super::Engine;
-use crate::block::KeyRef;
 use crate::error::{echo, EngineError, EngineResult};
 use crate::store::PrefixAnswer;
 
@@ -128,12 +127,10 @@ impl Engine {
         }
         let mut hits = Vec::new();
         let mut positions = Vec::new();
-        for (i, h) in req.hashes.iter().enumerate() {
-            if let Some(b) = self.store.get_touch(KeyRef {
-                namespace: ns,
-                group: req.group_id,
-                hash: h,
-            }) {
+        // One lock per index shard for the whole list.
+        let found = self.store.get_touch_each(ns, req.group_id, &req.hashes);
+        for (i, b) in found.into_iter().enumerate() {
+            if let Some(b) = b {
                 hits.push(b);
                 positions.push(i as u32);
             }

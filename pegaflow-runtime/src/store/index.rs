@@ -479,8 +479,8 @@ impl BlockIndex {
 
     /// The longest prefix of `hashes` (under `namespace` and `group`) that is resident, each
     /// block marked most recently used in request order (the first hash touched first). Takes
-    /// each shard's lock at most twice per call (a lookup pass, then a touch pass over the
-    /// prefix), whatever the number of hashes; allocates only per call, not per hash.
+    /// each shard's lock at most three times per call (two lookup stages, then a touch pass
+    /// over the prefix), whatever the number of hashes; allocates only per call, not per hash.
     pub fn touch_prefix(
         &self,
         namespace: &str,
@@ -584,6 +584,36 @@ impl BlockIndex {
             }
         }
         out.into_iter().map_while(|b| b).collect()
+    }
+
+    /// Each of `hashes` (under `namespace` and `group`) that is resident, marked most recently
+    /// used in request order; `None` for the others. Each shard's lock is taken once.
+    pub fn touch_each(
+        &self,
+        namespace: &str,
+        group: u32,
+        hashes: &[Vec<u8>],
+    ) -> Vec<Option<Arc<SealedBlock>>> {
+        let key = |h| kref(namespace, group, h);
+        let tags: Vec<u64> = hashes.iter().map(|h| self.tag(&key(h))).collect();
+        let by = ByShard::new(&tags);
+        let base = self.ticks(hashes.len() as u64);
+        let mut out: Vec<Option<Arc<SealedBlock>>> = vec![None; hashes.len()];
+        for s in 0..SHARDS {
+            let ps = by.of(s);
+            if ps.is_empty() {
+                continue;
+            }
+            let mut sh = self.shards[s].lock();
+            for &p in ps {
+                let p = p as usize;
+                if let Some(i) = sh.find(tags[p], &key(&hashes[p])) {
+                    sh.touch(i, base + p as u64);
+                    out[p] = Some(sh.node(i).block.clone());
+                }
+            }
+        }
+        out
     }
 
     /// Whether a block is resident (no recency change).
@@ -1123,6 +1153,24 @@ mod tests {
         assert_eq!(order, vec![3, 4, 5, 0, 1, 2]);
         assert!(ix.touch_prefix("a", 0, &hashes).is_empty());
         assert!(ix.touch_prefix("a", 0, &[]).is_empty());
+    }
+
+    #[test]
+    fn touch_each_touches_every_hit_in_request_order() {
+        let ix = BlockIndex::new();
+        for h in 0..4 {
+            ix.insert(key("a", h), block(1));
+        }
+        let hashes: Vec<Vec<u8>> = vec![vec![2], vec![9], vec![0]];
+        let got: Vec<bool> = ix
+            .touch_each("a", 0, &hashes)
+            .iter()
+            .map(Option::is_some)
+            .collect();
+        assert_eq!(got, vec![true, false, true]);
+        assert!(ix.touch_each("b", 0, &hashes).iter().all(Option::is_none));
+        let order: Vec<u8> = std::iter::from_fn(|| ix.evict_lru().map(|e| e.key.hash[0])).collect();
+        assert_eq!(order, vec![1, 3, 2, 0]);
     }
 
     #[test]

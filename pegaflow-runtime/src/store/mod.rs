@@ -291,6 +291,17 @@ impl TierStack {
         self.index.get_touch(key)
     }
 
+    /// [`TierStack::get_touch`] for each of `hashes` under `(namespace, group)`, in request
+    /// order, taking each index shard's lock once (membership queries).
+    pub fn get_touch_each(
+        &self,
+        namespace: &str,
+        group: u32,
+        hashes: &[Vec<u8>],
+    ) -> Vec<Option<Arc<SealedBlock>>> {
+        self.index.touch_each(namespace, group, hashes)
+    }
+
     /// Whether a block is resident in DRAM (no recency change). A block waiting in the
     /// demotion queue is taken back into DRAM and counts as resident.
     pub fn contains(&self, key: KeyRef<'_>) -> bool {
