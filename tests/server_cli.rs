@@ -397,6 +397,26 @@ fn check_config_validates_backend_settings() {
             "[[transport]]\nkind = \"memcpy\"\nlayers = [{ kind = \"fault\", fail_every = -1 }]\n",
             "fail_every",
         ),
+        (
+            "[[transport]]\nkind = \"memcpy\"\nthreads = 0\n",
+            "threads must be an integer from 1",
+        ),
+        (
+            "[[registrar]]\nkind = \"host-memfd\"\nfd_timeout_secs = -1.0\n",
+            "fd_timeout_secs must be between 0",
+        ),
+        (
+            "[[registrar]]\nkind = \"cuda-vmm\"\nfd_timeout_secs = 1e9\n",
+            "fd_timeout_secs must be between 0",
+        ),
+        (
+            "[directory]\nkind = \"metaserver\"\n",
+            "the metaserver directory needs addr",
+        ),
+        (
+            "[directory]\nkind = \"metaserver\"\naddr = \"http://x:1\"\ntimeout_ms = 0\n",
+            "timeout_ms must be > 0",
+        ),
     ] {
         let f = dir.0.join("values.toml");
         std::fs::write(&f, text).unwrap();

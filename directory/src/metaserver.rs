@@ -24,9 +24,9 @@ use parking_lot::Mutex;
 use pegaflow_proto as pb;
 use pegaflow_proto::meta_server_client::MetaServerClient;
 use pegaflow_runtime::{
-    check_parses, defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError,
-    DirectoryFactory, FactoryFlag, FlagValue, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix,
-    PluginOption, RuntimeContext,
+    defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError, DirectoryFactory,
+    FactoryFlag, FlagValue, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix, PluginOption,
+    RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 use tonic::transport::{Channel, Endpoint};
@@ -45,6 +45,26 @@ pub struct MetaServerConfig {
     pub addr: String,
     /// Deadline of every RPC, in milliseconds (connecting included).
     pub timeout_ms: u64,
+}
+
+impl MetaServerConfig {
+    /// The MetaServer endpoint these settings name, without connecting (the factory's
+    /// settings check and the constructor).
+    ///
+    /// # Errors
+    /// An empty or malformed address, a zero timeout.
+    pub fn endpoint(&self) -> anyhow::Result<Endpoint> {
+        if self.addr.trim().is_empty() {
+            anyhow::bail!(
+                "the metaserver directory needs addr (the MetaServer URL, e.g. http://10.0.0.5:50056; --metaserver-addr)"
+            );
+        }
+        if self.timeout_ms == 0 {
+            anyhow::bail!("[directory] timeout_ms must be > 0");
+        }
+        Endpoint::from_shared(normalize_url(&self.addr))
+            .map_err(|e| anyhow::anyhow!("invalid MetaServer address {:?}: {e}", self.addr))
+    }
 }
 
 impl Default for MetaServerConfig {
@@ -90,18 +110,10 @@ impl MetaServerDirectory {
     /// # Errors
     /// An empty or malformed address, a zero timeout.
     pub fn new(config: &MetaServerConfig) -> anyhow::Result<Self> {
-        if config.addr.trim().is_empty() {
-            anyhow::bail!(
-                "the metaserver directory needs addr (the MetaServer URL, e.g. http://10.0.0.5:50056; --metaserver-addr)"
-            );
-        }
-        if config.timeout_ms == 0 {
-            anyhow::bail!("[directory] timeout_ms must be > 0");
-        }
+        let endpoint = config.endpoint()?;
         let url = normalize_url(&config.addr);
         let timeout = Duration::from_millis(config.timeout_ms);
-        let endpoint = Endpoint::from_shared(url.clone())
-            .map_err(|e| anyhow::anyhow!("invalid MetaServer address {:?}: {e}", config.addr))?
+        let endpoint = endpoint
             .connect_timeout(timeout)
             .timeout(timeout)
             .tcp_nodelay(true);
@@ -387,7 +399,7 @@ inventory::submit! {
         summary: "a client of a PegaFlow-compatible MetaServer (ours or PegaFlow's pegaflow-metaserver)",
         config: ConfigSchema {
             defaults: defaults_of::<MetaServerConfig>,
-            check: check_parses::<MetaServerConfig>,
+            check: |w, t| parse_settings::<MetaServerConfig>(w, t)?.endpoint().map(drop),
             options: &[
                 PluginOption {
                     name: "addr",

@@ -16,8 +16,8 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use pegaflow_runtime::block::{BlockKey, BlockShape};
 use pegaflow_runtime::{
-    check_parses, defaults_of, parse_settings, BuiltTier, ConfigSchema, PluginOption, Recovered,
-    RuntimeContext, Tier, TierCapabilities, TierError, TierFactory, TierGet, TierPut,
+    defaults_of, parse_settings, BuiltTier, ConfigSchema, PluginOption, Recovered, RuntimeContext,
+    Tier, TierCapabilities, TierError, TierFactory, TierGet, TierPut,
 };
 use serde::{Deserialize, Serialize};
 
@@ -259,12 +259,19 @@ impl Tier for HeapStore {
     }
 }
 
-fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<BuiltTier> {
+/// Reads and checks the pipeline table (the factory's settings check and `build`).
+fn checked_config(table: &toml::Table) -> anyhow::Result<HeapStoreConfig> {
     let config: HeapStoreConfig = parse_settings("heap-store tier", table)?;
     if config.capacity == 0 {
         anyhow::bail!("heap-store tier: capacity must be > 0");
     }
-    Ok(BuiltTier::Block(Arc::new(HeapStore::new(config))))
+    Ok(config)
+}
+
+fn build(table: &toml::Table, _ctx: &RuntimeContext) -> anyhow::Result<BuiltTier> {
+    Ok(BuiltTier::Block(Arc::new(HeapStore::new(checked_config(
+        table,
+    )?))))
 }
 
 inventory::submit! {
@@ -273,7 +280,7 @@ inventory::submit! {
         summary: "key-addressed tier below DRAM in this process's heap, oldest evicted first (a third-party example)",
         config: ConfigSchema {
             defaults: defaults_of::<HeapStoreConfig>,
-            check: check_parses::<HeapStoreConfig>,
+            check: |_, t| checked_config(t).map(drop),
             options: &[
                 PluginOption { name: "capacity", help: "bytes the store may hold (size string or bytes)" },
                 PluginOption { name: "evict", help: "evict the oldest blocks when a put needs room (false: the put fails as full)" },

@@ -530,8 +530,9 @@ impl PipelineConfig {
 
     /// Checks what start-up would refuse without binding a port or building a backend: the
     /// addresses (resolved), every kind and layer name, and every key of every backend's
-    /// table against the keys its factory knows (its defaults and documented options). The
-    /// values of known keys are checked only when the backend is built.
+    /// table against the keys its factory knows (its defaults and documented options), then
+    /// the values through each factory's [`crate::plugin::ConfigSchema::check`] (types, sizes,
+    /// ranges; nothing is opened or connected).
     ///
     /// # Errors
     /// The first problem found, naming the entry and the key.

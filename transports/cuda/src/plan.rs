@@ -292,8 +292,9 @@ pub const MAX_MERGED_RUNS: usize = 256;
 /// produced lazily so that planning can issue the first chunks before it has seen the last
 /// op:
 /// - ops already in host order (a Save of fresh blocks) are taken as they are;
-/// - ops made of up to [`MAX_MERGED_RUNS`] ascending runs (a Load lists its blocks layer by
-///   layer: one run per layer and segment) are merged with a heap, `O(log runs)` per op;
+/// - ops made of up to [`MAX_MERGED_RUNS`] ascending runs (a Load lists each block's layers
+///   in host order, so its runs are where one block's buffer lies below the last one's) are
+///   merged with a heap, `O(log runs)` per op;
 /// - anything else is sorted once, up front.
 pub enum HostOrder<'a> {
     /// `0..n`, already in order.
@@ -320,7 +321,7 @@ impl<'a> HostOrder<'a> {
             if ops[i].host_addr < ops[i - 1].host_addr {
                 runs.push((start, i));
                 start = i;
-                if runs.len() > MAX_MERGED_RUNS {
+                if runs.len() >= MAX_MERGED_RUNS {
                     break;
                 }
             }
@@ -328,7 +329,8 @@ impl<'a> HostOrder<'a> {
         if runs.is_empty() {
             return HostOrder::Sorted(0..ops.len());
         }
-        if runs.len() <= MAX_MERGED_RUNS {
+        // Fewer than MAX_MERGED_RUNS descents seen: the last run ends at the end.
+        if runs.len() < MAX_MERGED_RUNS {
             runs.push((start, ops.len()));
             let heap = runs
                 .iter()

@@ -43,10 +43,10 @@ use parking_lot::Mutex;
 use pegaflow_api::cuda_driver;
 use pegaflow_runtime::fd_channel::FdChannel;
 use pegaflow_runtime::{
-    check_parses, defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion,
-    MemorySpace, NativeImport, NativeImportV2, PayloadCarrier, PayloadScheme, PluginOption,
-    Registrar, RegistrarError, RegistrarFactory, RegistrarTraits, Registration,
-    RegistrationPayload, RuntimeContext,
+    defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion, MemorySpace,
+    NativeImport, NativeImportV2, PayloadCarrier, PayloadScheme, PluginOption, Registrar,
+    RegistrarError, RegistrarFactory, RegistrarTraits, Registration, RegistrationPayload,
+    RuntimeContext,
 };
 use serde::{Deserialize, Serialize};
 
@@ -454,10 +454,10 @@ impl CudaVmmRegistrar {
         }
     }
 
-    /// Builds the registrar from its pipeline table ([`CudaVmmConfig`]).
+    /// Reads and range-checks the pipeline table (the factory's settings check and `build`).
     ///
     /// Errors: an unknown key or an out-of-range / non-numeric `fd_timeout_secs`.
-    pub fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Registrar>> {
+    pub fn checked_config(table: &toml::Table) -> anyhow::Result<CudaVmmConfig> {
         let c: CudaVmmConfig = parse_settings("cuda-vmm registrar", table)?;
         let secs = c.fd_timeout_secs;
         if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
@@ -465,6 +465,15 @@ impl CudaVmmRegistrar {
                 "cuda-vmm registrar: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}"
             );
         }
+        Ok(c)
+    }
+
+    /// Builds the registrar from its pipeline table ([`CudaVmmConfig`]).
+    ///
+    /// Errors: an unknown key or an out-of-range / non-numeric `fd_timeout_secs`.
+    pub fn build(table: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Registrar>> {
+        let c = Self::checked_config(table)?;
+        let secs = c.fd_timeout_secs;
         let fd_timeout = Duration::from_secs_f64(secs);
         if ctx.fd_channel.is_none() {
             tracing::info!(
@@ -656,7 +665,7 @@ inventory::submit! {
         summary: "imports a native engine's CUDA VMM allocation (POSIX fd on the side channel)",
         config: ConfigSchema {
             defaults: defaults_of::<CudaVmmConfig>,
-            check: check_parses::<CudaVmmConfig>,
+            check: |_, t| CudaVmmRegistrar::checked_config(t).map(drop),
             options: &[PluginOption {
                 name: "fd_timeout_secs",
                 help: "seconds an import waits for the allocation's fd on the side channel",

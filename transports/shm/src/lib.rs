@@ -22,7 +22,7 @@ pub use memcpy::{MemcpyConfig, MemcpyTransport, DEFAULT_PARALLEL_THRESHOLD, DEFA
 pub use registrar::{HostMemfdConfig, HostMemfdRegistrar, DEFAULT_FD_TIMEOUT};
 
 use pegaflow_runtime::{
-    check_parses, defaults_of, ConfigSchema, PluginOption, RegistrarFactory, TransportFactory,
+    defaults_of, ConfigSchema, PluginOption, RegistrarFactory, TransportFactory,
 };
 
 inventory::submit! {
@@ -31,7 +31,7 @@ inventory::submit! {
         summary: "host memory a client shares as a memfd on the fd side channel (needs --fd-socket-path)",
         config: ConfigSchema {
             defaults: defaults_of::<HostMemfdConfig>,
-            check: check_parses::<HostMemfdConfig>,
+            check: |_, t| registrar::checked_config(t).map(drop),
             options: &[
                 PluginOption {
                     name: "fd_timeout_secs",
@@ -54,7 +54,7 @@ inventory::submit! {
         summary: "CPU copies between host registrations (host-memfd) and host buffers",
         config: ConfigSchema {
             defaults: defaults_of::<MemcpyConfig>,
-            check: check_parses::<MemcpyConfig>,
+            check: |_, t| memcpy::checked_config(t).map(drop),
             options: &[
                 PluginOption {
                     name: "threads",

@@ -70,11 +70,11 @@ impl Default for MemcpyConfig {
     }
 }
 
-/// Builds the transport from its pipeline table ([`MemcpyConfig`]).
-pub(crate) fn build(
-    table: &toml::Table,
-    _ctx: &RuntimeContext,
-) -> anyhow::Result<Arc<dyn Transport>> {
+/// Reads and range-checks the pipeline table (the factory's settings check and `build`).
+///
+/// # Errors
+/// An unknown key, a wrong type, `threads` outside `1..=MAX_THREADS`.
+pub(crate) fn checked_config(table: &toml::Table) -> anyhow::Result<MemcpyConfig> {
     let c: MemcpyConfig = parse_settings("memcpy transport", table)?;
     if !(1..=MAX_THREADS).contains(&c.threads) {
         anyhow::bail!(
@@ -82,6 +82,15 @@ pub(crate) fn build(
             c.threads
         );
     }
+    Ok(c)
+}
+
+/// Builds the transport from its pipeline table ([`MemcpyConfig`]).
+pub(crate) fn build(
+    table: &toml::Table,
+    _ctx: &RuntimeContext,
+) -> anyhow::Result<Arc<dyn Transport>> {
+    let c = checked_config(table)?;
     Ok(Arc::new(MemcpyTransport::new(
         c.threads,
         c.parallel_threshold,

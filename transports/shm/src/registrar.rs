@@ -103,11 +103,12 @@ impl Default for HostMemfdConfig {
     }
 }
 
-/// Builds the registrar from its pipeline table ([`HostMemfdConfig`]).
-pub(crate) fn build(
-    table: &toml::Table,
-    ctx: &RuntimeContext,
-) -> anyhow::Result<Arc<dyn Registrar>> {
+/// Reads and range-checks the pipeline table (the factory's settings check and `build`).
+///
+/// # Errors
+/// An unknown key, a wrong type, `fd_timeout_secs` not finite or outside
+/// `0..=MAX_FD_TIMEOUT_SECS`.
+pub(crate) fn checked_config(table: &toml::Table) -> anyhow::Result<HostMemfdConfig> {
     let c: HostMemfdConfig = parse_settings("host-memfd registrar", table)?;
     let secs = c.fd_timeout_secs;
     if !(secs.is_finite() && (0.0..=MAX_FD_TIMEOUT_SECS).contains(&secs)) {
@@ -115,6 +116,16 @@ pub(crate) fn build(
             "host-memfd registrar: fd_timeout_secs must be between 0 and {MAX_FD_TIMEOUT_SECS}, got {secs}"
         );
     }
+    Ok(c)
+}
+
+/// Builds the registrar from its pipeline table ([`HostMemfdConfig`]).
+pub(crate) fn build(
+    table: &toml::Table,
+    ctx: &RuntimeContext,
+) -> anyhow::Result<Arc<dyn Registrar>> {
+    let c = checked_config(table)?;
+    let secs = c.fd_timeout_secs;
     if !c.require_shrink_seal {
         warn!(
             "host-memfd registrar: require_shrink_seal = false: memfds that cannot be sealed \
