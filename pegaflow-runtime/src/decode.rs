@@ -317,8 +317,10 @@ fn native_payload(req: &pb::RegisterContextRequest) -> EngineResult<Registration
     })
 }
 
-/// Most allocations one native registration v2 names.
-pub const MAX_NATIVE_ALLOCATIONS: usize = MAX_LAYERS_PER_REQUEST;
+/// Most allocations one native registration v2 names: no more than the side channel holds
+/// pending by default ([`crate::fd_channel::FdChannelLimits`]'s `max_pending`, 1024), since a
+/// client files every allocation's descriptor before its registration is read.
+pub const MAX_NATIVE_ALLOCATIONS: usize = 1024;
 
 /// Whether the request carries any native field (v1 or v2).
 fn looks_native(req: &pb::RegisterContextRequest) -> bool {

@@ -872,8 +872,9 @@ pub enum MalformedMessage {
     /// The device id is not a decimal i32.
     #[error("device id {0:?} is not a decimal 32-bit integer")]
     BadDeviceId(String),
-    /// The allocation index of a v2 message is not a decimal u32.
-    #[error("allocation index {0:?} is not a decimal 32-bit unsigned integer")]
+    /// The allocation index of a v2 message is not a decimal integer below
+    /// [`crate::decode::MAX_NATIVE_ALLOCATIONS`].
+    #[error("allocation index {0:?} is not a decimal integer below the most allocations one registration names")]
     BadAllocationIndex(String),
 }
 
@@ -950,6 +951,7 @@ fn parse_key(payload: &[u8]) -> Result<Key, MalformedMessage> {
                 .ok()
                 .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|s| s.parse::<u32>().ok())
+                .filter(|&i| (i as usize) < crate::decode::MAX_NATIVE_ALLOCATIONS)
                 .ok_or_else(|| {
                     MalformedMessage::BadAllocationIndex(String::from_utf8_lossy(ix).into_owned())
                 })?,
@@ -1650,6 +1652,8 @@ mod tests {
             b"a\x001\x002\x003",
             b"a\x001\x00\x002",
             b"a\x001\x004294967296",
+            // The most allocations a registration may name bounds the index too.
+            b"a\x001\x001024",
         ] {
             assert!(
                 matches!(parse_key(bad), Err(MalformedMessage::BadAllocationIndex(_))),

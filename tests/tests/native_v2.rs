@@ -215,6 +215,40 @@ async fn glm52_shaped_registration_roundtrips_byte_exact() {
         is_filled_with(&arenas, 4, 0x5A),
         "a refused load wrote nothing"
     );
+    // Every arena named, but split over two load groups that send the block to different
+    // destinations: refused too, before any copy.
+    let (mla, idxk): (Vec<String>, Vec<String>) = arenas
+        .iter()
+        .map(|a| a.name.clone())
+        .partition(|n| n.ends_with(".mla"));
+    let targets = |b: Option<u32>| pb::LoadBlockIds {
+        targets: vec![pb::LoadBlockTarget {
+            target: b.map(pb::load_block_target::Target::BlockId),
+        }],
+    };
+    let split = pb::LoadRequest {
+        instance_id: id.clone(),
+        tp_rank: 0,
+        device_id: 0,
+        load_state_shm: String::new(),
+        groups: vec![
+            pb::LoadGroup { layer_names: mla },
+            pb::LoadGroup { layer_names: idxk },
+        ],
+        loads: vec![pb::LeaseLoad {
+            lease: lease.clone(),
+            // The MLA pages to block 4, their sidecars skipped.
+            block_ids_by_group: vec![targets(Some(4)), targets(None)],
+        }],
+        wait_for_completion: true,
+    };
+    let e = raw.load(split).await.unwrap_err();
+    assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
+    assert!(e.to_string().contains("same destination"), "{e}");
+    assert!(
+        is_filled_with(&arenas, 4, 0x5A),
+        "a refused split load wrote nothing"
+    );
     inst.unregister().await.unwrap();
     assert!(!srv.handle.engine.instance_ids().contains(&id));
 }

@@ -193,6 +193,14 @@ impl Engine {
                     groups.len()
                 )));
             }
+            if wl.worker.whole_blocks && ll.targets_by_group.windows(2).any(|w| w[0] != w[1]) {
+                // Native v2 arenas share one block id: groups sending a block's arenas to
+                // different destinations (or skipping some) would restore a page without its
+                // sidecar.
+                return Err(EngineError::invalid(
+                    "a native v2 load must send every arena of a block to the same destination: the load groups' targets differ",
+                ));
+            }
             for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
                 check_group_targets(&wl.topology, &inst.namespace, g, &blocks, targets)?;
             }

@@ -233,6 +233,19 @@ fn map_memfd(
              server (create it with MFD_ALLOW_SEALING)"
         );
     }
+    if sealed {
+        // The size checked above may predate the seal: a client can shrink the memfd between
+        // that fstat and the seal, and the seal then freezes the smaller size. Check again
+        // now that it cannot change any more.
+        let now = fstat(fd.as_fd())
+            .map(|st| u64::try_from(st.st_size).unwrap_or(0))
+            .map_err(|e| RegistrarError::Failed(format!("fstat of the memfd for {who}: {e}")))?;
+        if now < len as u64 {
+            return Err(RegistrarError::Invalid(format!(
+                "the memfd for {who} shrank to {now} bytes while it was being sealed, less than the stated allocation of {len} bytes"
+            )));
+        }
+    }
     let map = MmapOptions::new().len(len).map_raw(&fd).map_err(|e| {
         RegistrarError::Failed(format!("mmap of the memfd for {who} ({len} bytes): {e}"))
     })?;
