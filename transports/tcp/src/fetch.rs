@@ -297,6 +297,21 @@ impl Fetcher {
             let msg = answer.status.map(|s| s.message).unwrap_or_default();
             return Err(Failure::suspect("refused", msg));
         }
+        // The session id goes into every read frame: one the wire cannot carry (or none for
+        // blocks it claims to have locked) is a peer that does not speak this protocol.
+        if answer.transfer_session_id.len() > crate::wire::MAX_ID_BYTES
+            || (answer.transfer_session_id.is_empty() && !answer.blocks.is_empty())
+        {
+            return Err(Failure::suspect(
+                "bad_answer",
+                format!(
+                    "transfer session id of {} bytes for {} blocks (1 to {} bytes expected)",
+                    answer.transfer_session_id.len(),
+                    answer.blocks.len(),
+                    crate::wire::MAX_ID_BYTES
+                ),
+            ));
+        }
         // The usable prefix of the answer.
         let mut shapes: Vec<BlockShape> = Vec::new();
         let mut ranges: Vec<Vec<RemoteRange>> = Vec::new();

@@ -259,13 +259,15 @@ impl PeerService for TcpPeer {
         let mut blocks = Vec::new();
         let mut infos = Vec::new();
         let mut pieces = Vec::new();
+        // Only the prefix up to the first block this node cannot serve: the requester uses no
+        // more than that, and locking blocks past a gap would pin them for nothing.
         for h in &req.block_hashes {
             let Some(b) = store.get_touch(KeyRef {
                 namespace: &req.namespace,
                 group: 0,
                 hash: h,
             }) else {
-                continue;
+                break;
             };
             let mut p = Vec::new();
             let slots: Option<Vec<_>> = b
@@ -273,7 +275,7 @@ impl PeerService for TcpPeer {
                 .iter()
                 .map(|s| slot_info(s, self.config.numa_node, &mut p))
                 .collect();
-            let Some(slots) = slots else { continue };
+            let Some(slots) = slots else { break };
             pieces.extend(p);
             infos.push(pb::TransferBlockInfo {
                 block_hash: h.clone(),
