@@ -19,15 +19,7 @@ use cudarc::driver::sys;
 use pegaflow_proto as pb;
 
 use crate::cuda_driver;
-use crate::vmm::VmmError;
-
-fn check(r: sys::CUresult, what: &str) -> Result<(), VmmError> {
-    if r == sys::CUresult::CUDA_SUCCESS {
-        Ok(())
-    } else {
-        Err(VmmError(format!("{what} failed: {r:?}")))
-    }
-}
+use crate::vmm::{check, device_of, set_current, sync, DeviceSpan, VmmError};
 
 /// Every driver symbol this module calls besides `cuInit`.
 const REQUIRED_SYMBOLS: &[&str] = &[
@@ -94,23 +86,7 @@ impl IpcAllocation {
             return Err(VmmError("an IPC allocation needs more than 0 bytes".into()));
         }
         driver_available()?;
-        let mut count = 0;
-        check(
-            // SAFETY: out-pointer to a live local.
-            unsafe { sys::cuDeviceGetCount(&mut count) },
-            "cuDeviceGetCount",
-        )?;
-        if ordinal < 0 || ordinal >= count {
-            return Err(VmmError(format!(
-                "no CUDA device with ordinal {ordinal} (this process sees {count})"
-            )));
-        }
-        let mut device: sys::CUdevice = 0;
-        check(
-            // SAFETY: out-pointer to a live local; 0 <= ordinal < count.
-            unsafe { sys::cuDeviceGet(&mut device, ordinal) },
-            "cuDeviceGet",
-        )?;
+        let device = device_of(ordinal)?;
         let mut ctx: sys::CUcontext = std::ptr::null_mut();
         check(
             // SAFETY: out-pointer to a live local; device came from cuDeviceGet.
@@ -126,7 +102,7 @@ impl IpcAllocation {
             handle: [0; pb::CUDA_IPC_HANDLE_BYTES],
         };
         // From here `a`'s Drop frees whatever was allocated and releases the context.
-        a.bind()?;
+        set_current(a.ctx)?;
         check(
             // SAFETY: out-pointer to a live field; the context is current.
             unsafe { sys::cuMemAlloc_v2(&mut a.ptr, bytes) },
@@ -153,7 +129,7 @@ impl IpcAllocation {
             unsafe { sys::cuMemsetD8_v2(a.ptr, 0, a.size) },
             "cuMemsetD8",
         )?;
-        a.sync()?;
+        sync()?;
         // SAFETY: CUipcMemHandle is 64 plain bytes; the driver fills it.
         let mut h: sys::CUipcMemHandle = unsafe { std::mem::zeroed() };
         check(
@@ -167,29 +143,11 @@ impl IpcAllocation {
         Ok(a)
     }
 
-    fn bind(&self) -> Result<(), VmmError> {
-        // SAFETY: ctx is a retained primary context, alive while `self` holds it.
-        check(unsafe { sys::cuCtxSetCurrent(self.ctx) }, "cuCtxSetCurrent")
-    }
-
-    fn sync(&self) -> Result<(), VmmError> {
-        check(
-            // SAFETY: the null stream of the current context.
-            unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) },
-            "cuStreamSynchronize",
-        )
-    }
-
-    fn range(&self, off: usize, len: usize) -> Result<u64, VmmError> {
-        match off.checked_add(len) {
-            Some(end) if end <= self.size => {
-                self.bind()?;
-                Ok(self.ptr + off as u64)
-            }
-            _ => Err(VmmError(format!(
-                "bytes {off}..+{len} lie outside the {}-byte allocation",
-                self.size
-            ))),
+    fn span(&self) -> DeviceSpan {
+        DeviceSpan {
+            ctx: self.ctx,
+            ptr: self.ptr,
+            size: self.size,
         }
     }
 
@@ -222,45 +180,27 @@ impl IpcAllocation {
     ///
     /// Errors: [`VmmError`] when the range leaves the allocation or the copy fails.
     pub fn upload(&self, off: usize, src: &[u8]) -> Result<(), VmmError> {
-        let dst = self.range(off, src.len())?;
-        check(
-            // SAFETY: dst..dst+len is inside the allocation; src is a live slice of len bytes.
-            unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) },
-            "cuMemcpyHtoD",
-        )?;
-        self.sync()
+        self.span().upload(off, src)
     }
 
     /// Copies bytes from byte `off` into `dst` (`cuMemcpyDtoH`).
     ///
     /// Errors: [`VmmError`] when the range leaves the allocation or the copy fails.
     pub fn download(&self, off: usize, dst: &mut [u8]) -> Result<(), VmmError> {
-        let src = self.range(off, dst.len())?;
-        check(
-            // SAFETY: src..src+len is inside the allocation; dst is a live slice of len bytes.
-            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) },
-            "cuMemcpyDtoH",
-        )?;
-        self.sync()
+        self.span().download(off, dst)
     }
 
     /// Sets every byte to `value` and waits until done.
     ///
     /// Errors: [`VmmError`] when the memset fails.
     pub fn fill(&self, value: u8) -> Result<(), VmmError> {
-        let dst = self.range(0, self.size)?;
-        check(
-            // SAFETY: dst..dst+size is the allocation.
-            unsafe { sys::cuMemsetD8_v2(dst, value, self.size) },
-            "cuMemsetD8",
-        )?;
-        self.sync()
+        self.span().fill(0, self.size, value)
     }
 }
 
 impl Drop for IpcAllocation {
     fn drop(&mut self) {
-        let _ = self.bind();
+        let _ = set_current(self.ctx);
         if self.ptr != 0 {
             // SAFETY: ptr came from cuMemAlloc in new(); this process no longer uses it (a
             // server that still has the handle open keeps its own mapping until it closes it).

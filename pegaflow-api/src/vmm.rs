@@ -34,7 +34,7 @@ impl From<DriverUnavailable> for VmmError {
     }
 }
 
-fn check(r: sys::CUresult, what: &str) -> Result<(), VmmError> {
+pub(crate) fn check(r: sys::CUresult, what: &str) -> Result<(), VmmError> {
     if r == sys::CUresult::CUDA_SUCCESS {
         Ok(())
     } else {
@@ -91,17 +91,101 @@ fn attribute(attr: sys::CUdevice_attribute, dev: sys::CUdevice) -> Result<i32, V
     Ok(v)
 }
 
-fn set_current(ctx: sys::CUcontext) -> Result<(), VmmError> {
+pub(crate) fn set_current(ctx: sys::CUcontext) -> Result<(), VmmError> {
     // SAFETY: ctx is a retained primary context, alive while the allocation holds it.
     check(unsafe { sys::cuCtxSetCurrent(ctx) }, "cuCtxSetCurrent")
 }
 
-fn sync() -> Result<(), VmmError> {
+pub(crate) fn sync() -> Result<(), VmmError> {
     // SAFETY: the null stream of the current context; waits for the work issued above.
     check(
         unsafe { sys::cuStreamSynchronize(std::ptr::null_mut()) },
         "cuStreamSynchronize",
     )
+}
+
+/// The device of CUDA ordinal `ordinal` (the caller initialised the driver).
+///
+/// Errors: [`VmmError`] for an ordinal this process does not see, or a failing driver call.
+pub(crate) fn device_of(ordinal: i32) -> Result<sys::CUdevice, VmmError> {
+    let mut count = 0;
+    check(
+        // SAFETY: out-pointer to a live local.
+        unsafe { sys::cuDeviceGetCount(&mut count) },
+        "cuDeviceGetCount",
+    )?;
+    if ordinal < 0 || ordinal >= count {
+        return Err(VmmError(format!(
+            "no CUDA device with ordinal {ordinal} (this process sees {count})"
+        )));
+    }
+    let mut device: sys::CUdevice = 0;
+    check(
+        // SAFETY: out-pointer to a live local; 0 <= ordinal < count.
+        unsafe { sys::cuDeviceGet(&mut device, ordinal) },
+        "cuDeviceGet",
+    )?;
+    Ok(device)
+}
+
+/// Device memory this process allocated: `size` bytes at `ptr` in the retained primary
+/// context `ctx`. The blocking, bounds-checked copies and fills both allocation kinds
+/// (VMM, IPC) offer.
+#[derive(Clone, Copy)]
+pub(crate) struct DeviceSpan {
+    pub(crate) ctx: sys::CUcontext,
+    pub(crate) ptr: sys::CUdeviceptr,
+    pub(crate) size: usize,
+}
+
+impl DeviceSpan {
+    /// The device address of byte `off`, once `off..off + len` is checked to lie inside and
+    /// the context is bound on this thread.
+    fn at(&self, off: usize, len: usize) -> Result<u64, VmmError> {
+        match off.checked_add(len) {
+            Some(end) if end <= self.size => {
+                set_current(self.ctx)?;
+                Ok(self.ptr + off as u64)
+            }
+            _ => Err(VmmError(format!(
+                "bytes {off}..+{len} lie outside the {}-byte allocation",
+                self.size
+            ))),
+        }
+    }
+
+    /// Copies `src` to byte `off` (`cuMemcpyHtoD`) and waits until it has landed.
+    pub(crate) fn upload(&self, off: usize, src: &[u8]) -> Result<(), VmmError> {
+        let dst = self.at(off, src.len())?;
+        check(
+            // SAFETY: dst..dst+len is inside the allocation; src is a live slice of len bytes.
+            unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) },
+            "cuMemcpyHtoD",
+        )?;
+        sync()
+    }
+
+    /// Copies bytes from byte `off` into `dst` (`cuMemcpyDtoH`).
+    pub(crate) fn download(&self, off: usize, dst: &mut [u8]) -> Result<(), VmmError> {
+        let src = self.at(off, dst.len())?;
+        check(
+            // SAFETY: src..src+len is inside the allocation; dst is a live slice of len bytes.
+            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) },
+            "cuMemcpyDtoH",
+        )?;
+        sync()
+    }
+
+    /// Sets `len` bytes from byte `off` to `value` (`cuMemsetD8`) and waits until done.
+    pub(crate) fn fill(&self, off: usize, len: usize, value: u8) -> Result<(), VmmError> {
+        let dst = self.at(off, len)?;
+        check(
+            // SAFETY: dst..dst+len is inside the allocation.
+            unsafe { sys::cuMemsetD8_v2(dst, value, len) },
+            "cuMemsetD8",
+        )?;
+        sync()
+    }
 }
 
 /// What [`VmmAllocation::new`] has built so far; dropping it undoes exactly that, in reverse
@@ -186,23 +270,7 @@ impl VmmAllocation {
             return Err(VmmError("a VMM allocation needs more than 0 bytes".into()));
         }
         driver_available()?;
-        let mut count = 0;
-        check(
-            // SAFETY: out-pointer to a live local.
-            unsafe { sys::cuDeviceGetCount(&mut count) },
-            "cuDeviceGetCount",
-        )?;
-        if ordinal < 0 || ordinal >= count {
-            return Err(VmmError(format!(
-                "no CUDA device with ordinal {ordinal} (this process sees {count})"
-            )));
-        }
-        let mut device: sys::CUdevice = 0;
-        check(
-            // SAFETY: out-pointer to a live local; 0 <= ordinal < count.
-            unsafe { sys::cuDeviceGet(&mut device, ordinal) },
-            "cuDeviceGet",
-        )?;
+        let device = device_of(ordinal)?;
         use sys::CUdevice_attribute as A;
         if attribute(
             A::CU_DEVICE_ATTRIBUTE_VIRTUAL_ADDRESS_MANAGEMENT_SUPPORTED,
@@ -391,16 +459,11 @@ impl VmmAllocation {
         self.fd.as_fd()
     }
 
-    fn range(&self, off: usize, len: usize) -> Result<u64, VmmError> {
-        match off.checked_add(len) {
-            Some(end) if end <= self.size => {
-                set_current(self.ctx)?;
-                Ok(self.ptr + off as u64)
-            }
-            _ => Err(VmmError(format!(
-                "bytes {off}..+{len} lie outside the {}-byte allocation",
-                self.size
-            ))),
+    fn span(&self) -> DeviceSpan {
+        DeviceSpan {
+            ctx: self.ctx,
+            ptr: self.ptr,
+            size: self.size,
         }
     }
 
@@ -409,13 +472,7 @@ impl VmmAllocation {
     ///
     /// Errors: [`VmmError`] when the range leaves the allocation or the copy fails.
     pub fn upload(&self, off: usize, src: &[u8]) -> Result<(), VmmError> {
-        let dst = self.range(off, src.len())?;
-        check(
-            // SAFETY: dst..dst+len is inside the mapping; src is a live slice of len bytes.
-            unsafe { sys::cuMemcpyHtoD_v2(dst, src.as_ptr().cast(), src.len()) },
-            "cuMemcpyHtoD",
-        )?;
-        sync()
+        self.span().upload(off, src)
     }
 
     /// Copies bytes from byte `off` of the allocation into `dst` (`cuMemcpyDtoH`), after
@@ -423,26 +480,14 @@ impl VmmAllocation {
     ///
     /// Errors: [`VmmError`] when the range leaves the allocation or the copy fails.
     pub fn download(&self, off: usize, dst: &mut [u8]) -> Result<(), VmmError> {
-        let src = self.range(off, dst.len())?;
-        check(
-            // SAFETY: src..src+len is inside the mapping; dst is a live slice of len bytes.
-            unsafe { sys::cuMemcpyDtoH_v2(dst.as_mut_ptr().cast(), src, dst.len()) },
-            "cuMemcpyDtoH",
-        )?;
-        sync()
+        self.span().download(off, dst)
     }
 
     /// Sets `len` bytes from byte `off` to `value` (`cuMemsetD8`) and waits until done.
     ///
     /// Errors: [`VmmError`] when the range leaves the allocation or the memset fails.
     pub fn fill_range(&self, off: usize, len: usize, value: u8) -> Result<(), VmmError> {
-        let dst = self.range(off, len)?;
-        check(
-            // SAFETY: dst..dst+len is inside the mapping.
-            unsafe { sys::cuMemsetD8_v2(dst, value, len) },
-            "cuMemsetD8",
-        )?;
-        sync()
+        self.span().fill(off, len, value)
     }
 
     /// Sets every byte of the allocation to `value` and waits until done.
