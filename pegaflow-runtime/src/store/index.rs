@@ -90,7 +90,24 @@ struct Node {
     namespace: Arc<str>,
 }
 
+/// The two intrusive lists every shard threads through its nodes.
+#[derive(Debug, Clone, Copy)]
+enum List {
+    /// Every entry, by recency.
+    Lru,
+    /// The entries not yet written below DRAM, by recency.
+    Unwritten,
+}
+
 impl Node {
+    /// This node's (prev, next) links in `list`.
+    fn links(&mut self, list: List) -> (&mut u32, &mut u32) {
+        match list {
+            List::Lru => (&mut self.prev, &mut self.next),
+            List::Unwritten => (&mut self.uprev, &mut self.unext),
+        }
+    }
+
     fn matches(&self, key: &KeyRef<'_>) -> bool {
         self.group == key.group
             && self.hash.as_slice() == key.hash
@@ -188,68 +205,62 @@ impl Shard {
         }
     }
 
-    fn link_front(&mut self, i: u32) {
-        let old = self.head;
+    /// Puts entry `i` at the front (most recent end) of `list`.
+    fn push_front(&mut self, list: List, i: u32) {
+        let old = *self.ends(list).0;
         {
-            let n = self.node_mut(i);
-            n.prev = NIL;
-            n.next = old;
+            let (prev, next) = self.node_mut(i).links(list);
+            *prev = NIL;
+            *next = old;
         }
         if old == NIL {
-            self.tail = i;
+            *self.ends(list).1 = i;
         } else {
-            self.node_mut(old).prev = i;
+            *self.node_mut(old).links(list).0 = i;
         }
-        self.head = i;
+        *self.ends(list).0 = i;
+    }
+
+    /// Takes entry `i` out of `list`.
+    fn remove_from(&mut self, list: List, i: u32) {
+        let (p, nx) = {
+            let (prev, next) = self.node_mut(i).links(list);
+            (*prev, *next)
+        };
+        if p == NIL {
+            *self.ends(list).0 = nx;
+        } else {
+            *self.node_mut(p).links(list).1 = nx;
+        }
+        if nx == NIL {
+            *self.ends(list).1 = p;
+        } else {
+            *self.node_mut(nx).links(list).0 = p;
+        }
+    }
+
+    /// `list`'s (head, tail).
+    fn ends(&mut self, list: List) -> (&mut u32, &mut u32) {
+        match list {
+            List::Lru => (&mut self.head, &mut self.tail),
+            List::Unwritten => (&mut self.uhead, &mut self.utail),
+        }
+    }
+
+    fn link_front(&mut self, i: u32) {
+        self.push_front(List::Lru, i);
     }
 
     fn unlink(&mut self, i: u32) {
-        let (p, nx) = {
-            let n = self.node(i);
-            (n.prev, n.next)
-        };
-        if p == NIL {
-            self.head = nx;
-        } else {
-            self.node_mut(p).next = nx;
-        }
-        if nx == NIL {
-            self.tail = p;
-        } else {
-            self.node_mut(nx).prev = p;
-        }
+        self.remove_from(List::Lru, i);
     }
 
     fn ulink_front(&mut self, i: u32) {
-        let old = self.uhead;
-        {
-            let n = self.node_mut(i);
-            n.uprev = NIL;
-            n.unext = old;
-        }
-        if old == NIL {
-            self.utail = i;
-        } else {
-            self.node_mut(old).uprev = i;
-        }
-        self.uhead = i;
+        self.push_front(List::Unwritten, i);
     }
 
     fn uunlink(&mut self, i: u32) {
-        let (p, nx) = {
-            let n = self.node(i);
-            (n.uprev, n.unext)
-        };
-        if p == NIL {
-            self.uhead = nx;
-        } else {
-            self.node_mut(p).unext = nx;
-        }
-        if nx == NIL {
-            self.utail = p;
-        } else {
-            self.node_mut(nx).uprev = p;
-        }
+        self.remove_from(List::Unwritten, i);
     }
 
     /// Marks entry `i` most recently used with `stamp`.
