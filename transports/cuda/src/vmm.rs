@@ -495,6 +495,27 @@ impl CudaVmmRegistrar {
         )))
     }
 
+    /// The driver and its registry thread for an import on `ordinal`, after
+    /// [`Self::check_device`] and a check that the driver has that device: everything
+    /// checkable before the client's fds are taken.
+    fn driver_for(
+        &self,
+        ordinal: i32,
+    ) -> Result<(&'static Driver, &'static Registry), RegistrarError> {
+        self.check_device(ordinal)?;
+        let drv = vmm_driver().map_err(|e| {
+            RegistrarError::Failed(format!("cuda-vmm registration needs a CUDA driver: {e}"))
+        })?;
+        if drv.device(ordinal).is_none() {
+            return Err(RegistrarError::Precondition(format!(
+                "no CUDA device with ordinal {ordinal} on this server (it has {})",
+                drv.devices().len()
+            )));
+        }
+        let registry = drv.registry().map_err(failed)?;
+        Ok((drv, registry))
+    }
+
     /// Everything that can be checked without the fd and before any CUDA call.
     fn check_device(&self, ordinal: i32) -> Result<(), RegistrarError> {
         if ordinal < 0 {
@@ -549,20 +570,7 @@ impl Registrar for CudaVmmRegistrar {
         );
         // Everything checkable without the fd comes first; a refusal closes the fd already
         // sent for this key, so the client can resend at once (not after the pending TTL).
-        let checked = self.check_device(device_id).and_then(|()| {
-            let drv = vmm_driver().map_err(|e| {
-                RegistrarError::Failed(format!("cuda-vmm registration needs a CUDA driver: {e}"))
-            })?;
-            if drv.device(device_id).is_none() {
-                return Err(RegistrarError::Precondition(format!(
-                    "no CUDA device with ordinal {device_id} on this server (it has {})",
-                    drv.devices().len()
-                )));
-            }
-            let registry = drv.registry().map_err(failed)?;
-            Ok((drv, registry))
-        });
-        let (drv, registry) = checked.map_err(|e| import.refuse(e))?;
+        let (drv, registry) = self.driver_for(device_id).map_err(|e| import.refuse(e))?;
         let fd = import.take_fd("allocation fd", self.fd_timeout).await?;
         let job = ImportJob {
             fd,
@@ -596,20 +604,7 @@ impl CudaVmmRegistrar {
         let import =
             NativeImportV2::check("cuda-vmm", MEMORY_KIND, true, self.channel.as_ref(), req)?;
         let (instance_id, device_id) = (import.instance_id.clone(), import.device_id);
-        let checked = self.check_device(device_id).and_then(|()| {
-            let drv = vmm_driver().map_err(|e| {
-                RegistrarError::Failed(format!("cuda-vmm registration needs a CUDA driver: {e}"))
-            })?;
-            if drv.device(device_id).is_none() {
-                return Err(RegistrarError::Precondition(format!(
-                    "no CUDA device with ordinal {device_id} on this server (it has {})",
-                    drv.devices().len()
-                )));
-            }
-            let registry = drv.registry().map_err(failed)?;
-            Ok((drv, registry))
-        });
-        let (drv, registry) = checked.map_err(|e| import.refuse(e))?;
+        let (drv, registry) = self.driver_for(device_id).map_err(|e| import.refuse(e))?;
         let fds = import.take_fds("allocation fd", self.fd_timeout).await?;
         let jobs: Vec<ImportJob> = fds
             .into_iter()
