@@ -102,8 +102,26 @@ fn lock_path(path: &Path, is_file: bool) -> PathBuf {
     }
 }
 
+/// How long a lock held under this process's own pid is waited for: a child this process
+/// forks (a test's helper, a hook) keeps a copy of every open file description, and so the
+/// flock of a directory just closed here, until it execs.
+const OWN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
+
+/// The pid a lock file names (`pid N`), when it names one.
+fn lock_holder(f: &mut File) -> Option<u32> {
+    let mut s = String::new();
+    f.seek(io::SeekFrom::Start(0)).ok()?;
+    f.read_to_string(&mut s).ok()?;
+    s.split_whitespace()
+        .skip_while(|w| *w != "pid")
+        .nth(1)
+        .and_then(|p| p.parse().ok())
+}
+
 /// Takes the owner lock (a second server on the same path fails here, naming the holder's
-/// pid when the lock file says it), then writes this process's pid into it.
+/// pid when the lock file says it), then writes this process's pid into it. A lock that
+/// names this very process is retried for up to [`OWN_LOCK_WAIT`] first: it is either a
+/// store of this process still closing or a forked child's inherited copy, both brief.
 fn take_lock(path: &Path, is_file: bool) -> anyhow::Result<File> {
     let lp = lock_path(path, is_file);
     let mut f = std::fs::OpenOptions::new()
@@ -113,26 +131,35 @@ fn take_lock(path: &Path, is_file: bool) -> anyhow::Result<File> {
         .truncate(false)
         .open(&lp)
         .with_context(|| format!("cannot open the SSD lock file {}", lp.display()))?;
-    if let Err(e) = device::lock_exclusive(&f) {
-        if e.kind() == io::ErrorKind::WouldBlock {
-            let mut s = String::new();
-            let _ = f.read_to_string(&mut s);
-            let holder = s
-                .split_whitespace()
-                .skip_while(|w| *w != "pid")
-                .nth(1)
-                .map(|p| format!(" (pid {p})"))
-                .unwrap_or_default();
-            bail!(
-                "SSD cache path {} is in use by another process{holder}: two servers cannot share one SSD directory; give each its own --ssd-cache-path",
-                path.display()
-            );
+    let me = std::process::id();
+    let deadline = std::time::Instant::now() + OWN_LOCK_WAIT;
+    loop {
+        match device::lock_exclusive(&f) {
+            Ok(()) => break,
+            Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
+                let holder = lock_holder(&mut f);
+                if holder == Some(me) && std::time::Instant::now() < deadline {
+                    std::thread::sleep(std::time::Duration::from_millis(10));
+                    continue;
+                }
+                if holder == Some(me) {
+                    bail!(
+                        "SSD cache path {} is already open in this process (pid {me}): one store per directory; give each tier its own path",
+                        path.display()
+                    );
+                }
+                let holder = holder.map(|p| format!(" (pid {p})")).unwrap_or_default();
+                bail!(
+                    "SSD cache path {} is in use by another process{holder}: two servers cannot share one SSD directory; give each its own --ssd-cache-path",
+                    path.display()
+                );
+            }
+            Err(e) => return Err(e).with_context(|| format!("cannot lock {}", lp.display())),
         }
-        return Err(e).with_context(|| format!("cannot lock {}", lp.display()));
     }
     f.set_len(0)?;
     f.seek(io::SeekFrom::Start(0))?;
-    writeln!(f, "pid {}", std::process::id())?;
+    writeln!(f, "pid {me}")?;
     Ok(f)
 }
 
@@ -477,6 +504,26 @@ mod tests {
     }
 
     #[test]
+    fn a_lock_this_process_lets_go_of_soon_is_waited_for() {
+        // What a forked child's inherited copy of the lock looks like from here: held under
+        // this pid, released a moment later.
+        let d = tempfile::tempdir().unwrap();
+        let o = DirOptions {
+            capacity: 64 << 20,
+            segment_size: 8 << 20,
+            reserve: 0,
+            direct: true,
+        };
+        let a = Dir::open(d.path(), o).unwrap();
+        let release = std::thread::spawn(move || {
+            std::thread::sleep(std::time::Duration::from_millis(200));
+            drop(a);
+        });
+        Dir::open(d.path(), o).expect("the second open waits for the first to close");
+        release.join().unwrap();
+    }
+
+    #[test]
     fn a_second_open_of_one_directory_names_the_holder() {
         let d = tempfile::tempdir().unwrap();
         let o = DirOptions {
@@ -487,10 +534,24 @@ mod tests {
         };
         let a = Dir::open(d.path(), o).unwrap();
         assert!(a.slots >= 1);
+        // Held by this process: waited for, then refused as a second store in-process.
         let e = Dir::open(d.path(), o).unwrap_err().to_string();
-        assert!(e.contains("in use by another process"), "{e}");
+        assert!(e.contains("already open in this process"), "{e}");
         assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
         drop(a);
         Dir::open(d.path(), o).unwrap();
+        // Held by a process the lock file names as another: refused at once, naming it.
+        let lp = lock_path(d.path(), false);
+        let other = std::fs::OpenOptions::new().write(true).open(&lp).unwrap();
+        device::lock_exclusive(&other).unwrap();
+        std::fs::write(&lp, "pid 4194304\n").unwrap();
+        let t0 = std::time::Instant::now();
+        let e = Dir::open(d.path(), o).unwrap_err().to_string();
+        assert!(e.contains("in use by another process (pid 4194304)"), "{e}");
+        assert!(
+            t0.elapsed() < OWN_LOCK_WAIT,
+            "another holder is not waited for"
+        );
+        drop(other);
     }
 }
