@@ -173,6 +173,11 @@ pub struct ServerConfig {
     /// `POST /cache/memory/cleanup` (`--admin-allow`): `"loopback"`, `"any"`, or CIDRs.
     #[serde(default)]
     pub admin_allow: AdminAllow,
+    /// Place pinned host memory and copy threads on the NUMA node of the GPUs a transport
+    /// serves (docs/OPERATIONS.md §NUMA). `--disable-numa-affinity` sets it false. On a
+    /// machine with one node it changes nothing.
+    #[serde(default = "default_true")]
+    pub numa_affinity: bool,
 }
 
 /// Descriptors [`default_max_connections`] leaves for everything but gRPC connections, on top
@@ -385,6 +390,7 @@ impl Default for ServerConfig {
             max_connections: None,
             max_http_connections: default_max_http_connections(),
             admin_allow: AdminAllow::default(),
+            numa_affinity: true,
         }
     }
 }
@@ -840,7 +846,10 @@ pub struct Flags {
     /// tier below DRAM.
     #[arg(long)]
     pub enable_lfu_admission: bool,
-    /// Do not place pools and copy threads on the GPU's NUMA node.
+    /// Do not place the pinned pool and the copy threads on the GPUs' NUMA node (by default
+    /// the CUDA transport prefers the pool's pages on its GPUs' node, interleaved over the
+    /// nodes when its GPUs span several, and runs each GPU's copy threads on that GPU's node;
+    /// a one-node machine has nothing to place). Sets `[server] numa_affinity = false`.
     #[arg(long)]
     pub disable_numa_affinity: bool,
     /// HTTP listen address for /health, /metrics and the admin endpoints. [default: 0.0.0.0:9091]
@@ -1199,6 +1208,9 @@ impl Cli {
             }
             p.server.devices = Some(list);
         }
+        if a.disable_numa_affinity {
+            p.server.numa_affinity = false;
+        }
         if let Some(path) = &a.fd_socket_path {
             if path.as_os_str().is_empty() {
                 p.fd_channel = None;
@@ -1294,9 +1306,6 @@ impl Cli {
     pub fn notes(&self) -> Vec<String> {
         let a = &self.flags;
         let mut v = Vec::new();
-        if a.disable_numa_affinity {
-            v.push("--disable-numa-affinity: this build places no memory by NUMA node; nothing to disable".into());
-        }
         if a.blockwise_alloc {
             v.push(
                 "--blockwise-alloc: host memory is already allocated (and freed) per block".into(),
@@ -1458,6 +1467,13 @@ mod tests {
             .pipeline()
             .unwrap();
         assert_eq!(p.server.devices, Some(vec![0, 2]));
+        assert!(p.server.numa_affinity, "NUMA placement is on by default");
+        let cli = Cli::parse_from(["pegaflow-server", "--disable-numa-affinity"]);
+        assert!(!cli.pipeline().unwrap().server.numa_affinity);
+        assert!(
+            !cli.notes().iter().any(|n| n.contains("numa")),
+            "the flag does something now: no 'nothing to disable' note"
+        );
         assert!(Cli::parse_from(["pegaflow-server", "--devices", "x"])
             .pipeline()
             .is_err());

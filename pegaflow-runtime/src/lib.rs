@@ -18,6 +18,7 @@ pub mod fd_channel;
 pub mod health;
 pub mod layers;
 pub mod metrics;
+pub mod numa;
 pub mod plugin;
 pub mod store;
 

@@ -151,6 +151,7 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
     let ctx = RuntimeContext {
         fd_channel: fd_channel.clone(),
         devices: pipeline.server.devices.clone(),
+        numa_affinity: pipeline.server.numa_affinity,
         index_events: Default::default(),
         metrics: metrics.clone(),
         health: Default::default(),

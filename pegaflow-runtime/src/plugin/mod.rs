@@ -48,6 +48,9 @@ pub struct RuntimeContext {
     pub fd_channel: Option<Arc<FdChannel>>,
     /// Device ordinals the operator asked for (`--devices`); `None` = all the driver reports.
     pub devices: Option<Vec<i32>>,
+    /// Whether transports place pinned memory and copy threads by NUMA node
+    /// (`[server] numa_affinity`; `--disable-numa-affinity` turns it off).
+    pub numa_affinity: bool,
     /// Index events (sealed, evicted, demoted, promoted) of this server's tier stack: a
     /// directory client subscribes here when it is built.
     pub index_events: crate::store::IndexEvents,
@@ -66,6 +69,7 @@ impl std::fmt::Debug for RuntimeContext {
                 &self.fd_channel.as_ref().map(|c| c.path().to_path_buf()),
             )
             .field("devices", &self.devices)
+            .field("numa_affinity", &self.numa_affinity)
             .finish()
     }
 }

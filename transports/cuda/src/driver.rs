@@ -99,6 +99,9 @@ pub struct DeviceInfo {
     pub sm_count: u32,
     /// Device memory, in bytes.
     pub total_mem: u64,
+    /// PCI address as sysfs names it (`0000:3b:00.0`), from the driver's PCI attributes; it
+    /// finds the device's NUMA node.
+    pub pci_bus_id: String,
 }
 
 /// A retained primary context.
@@ -193,6 +196,22 @@ fn init() -> Result<Driver, CudaError> {
             },
             "cuDeviceGetAttribute",
         )?;
+        let pci = |attr| {
+            let mut v = 0;
+            // SAFETY: out-pointer to a live local.
+            check(
+                unsafe { sys::cuDeviceGetAttribute(&mut v, attr, dev) },
+                "cuDeviceGetAttribute",
+            )
+            .map(|()| v)
+        };
+        use sys::CUdevice_attribute as A;
+        let pci_bus_id = format!(
+            "{:04x}:{:02x}:{:02x}.0",
+            pci(A::CU_DEVICE_ATTRIBUTE_PCI_DOMAIN_ID)?,
+            pci(A::CU_DEVICE_ATTRIBUTE_PCI_BUS_ID)?,
+            pci(A::CU_DEVICE_ATTRIBUTE_PCI_DEVICE_ID)?
+        );
         let mut total = 0usize;
         check(
             // SAFETY: out-pointer to a live local.
@@ -206,6 +225,7 @@ fn init() -> Result<Driver, CudaError> {
             name,
             sm_count: sms.max(1) as u32,
             total_mem: total as u64,
+            pci_bus_id,
         });
         cu_devices.push(dev);
     }

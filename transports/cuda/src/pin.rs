@@ -124,7 +124,9 @@ impl std::fmt::Debug for PinSet {
 impl PinSet {
     /// Starts registering `ranges` (host address, bytes) from `threads` background threads,
     /// in `ordinal`'s primary context (registrations are `PORTABLE`, so every context sees
-    /// them). Returns at once. `tier` is kept alive until every chunk is unregistered.
+    /// them). Returns at once. `tier` is kept alive until every chunk is unregistered. The
+    /// threads run on `cpus` when given (the GPUs' NUMA node, so that pages first faulted by
+    /// the registration land there even where no memory policy steers them).
     pub fn start(
         driver: &'static Driver,
         ordinal: i32,
@@ -132,6 +134,7 @@ impl PinSet {
         max_chunk: usize,
         threads: usize,
         tier: Option<Arc<dyn std::any::Any + Send + Sync>>,
+        cpus: Vec<usize>,
     ) -> Arc<PinSet> {
         let threads = threads.max(1);
         let chunks: Vec<PinChunk> = split_ranges(ranges, max_chunk, threads)
@@ -162,10 +165,15 @@ impl PinSet {
         for t in 0..threads.min(set.chunks.len()) {
             let set = set.clone();
             let next = next.clone();
+            let cpus = cpus.clone();
             match std::thread::Builder::new()
                 .name(format!("cuda-pin-{t}"))
-                .spawn(move || set.pin_loop(&next, started, total))
-            {
+                .spawn(move || {
+                    if let Err(e) = pegaflow_runtime::numa::run_on_cpus(&cpus) {
+                        tracing::warn!("cuda-pin-{t}: cannot run on the GPUs' NUMA node: {e}");
+                    }
+                    set.pin_loop(&next, started, total)
+                }) {
                 Ok(_) => spawned += 1,
                 Err(e) => tracing::error!("cannot spawn a cuda-pin thread: {e}"),
             }

@@ -239,6 +239,88 @@ struct Shared {
     pins: OnceLock<Arc<PinSet>>,
     allowed: Option<Vec<i32>>,
     workers: Mutex<HashMap<(i32, bool), mpsc::Sender<Job>>>,
+    /// NUMA placement for the served devices (decided once, at build).
+    numa: Numa,
+}
+
+/// What the transport does about NUMA: the pool's pages go to `placement`'s nodes (before
+/// they are pinned), and each device's copy threads run on its node's CPUs.
+#[derive(Debug, Default)]
+struct Numa {
+    /// The node set the pool's pages are steered to; empty: placement is off.
+    nodes: Vec<usize>,
+    /// CPUs per served device ordinal (absent: no affinity).
+    cpus: HashMap<i32, Vec<usize>>,
+}
+
+impl Numa {
+    /// Decides placement for the served devices and logs what it decided.
+    fn plan(driver: &Driver, served: &[i32], enabled: bool) -> Self {
+        let topo = pegaflow_runtime::numa::Topology::system();
+        let devices: Vec<_> = served.iter().filter_map(|&o| driver.device(o)).collect();
+        let ids: Vec<String> = devices.iter().map(|d| d.pci_bus_id.clone()).collect();
+        match pegaflow_runtime::numa::NumaPlacement::plan(&topo, &ids, enabled) {
+            pegaflow_runtime::numa::NumaPlacement::Off(why) => {
+                tracing::info!("cuda transport: no NUMA placement: {why}");
+                Self::default()
+            }
+            pegaflow_runtime::numa::NumaPlacement::On {
+                nodes,
+                device_nodes,
+            } => {
+                let cpus: HashMap<i32, Vec<usize>> = devices
+                    .iter()
+                    .zip(&device_nodes)
+                    .map(|(d, &n)| (d.ordinal, topo.node_cpus(n)))
+                    .collect();
+                tracing::info!(
+                    pool_nodes = ?nodes,
+                    devices = ?devices
+                        .iter()
+                        .zip(&device_nodes)
+                        .map(|(d, n)| format!("GPU {} ({}) on node {n}", d.ordinal, d.pci_bus_id))
+                        .collect::<Vec<_>>(),
+                    "cuda transport: pinned pool {} and each GPU's copy threads on its node's CPUs (--disable-numa-affinity turns this off)",
+                    if nodes.len() == 1 { "preferred on that node" } else { "interleaved over the GPUs' nodes" }
+                );
+                Self { nodes, cpus }
+            }
+        }
+    }
+
+    /// Steers `regions`' pages to the planned nodes (before they are pinned: pinning faults
+    /// them in). A failure is logged and leaves the kernel's default placement.
+    fn place(&self, regions: &[HostRegion]) {
+        if self.nodes.is_empty() {
+            return;
+        }
+        for r in regions {
+            let (addr, len) = r.range();
+            if let Err(e) = pegaflow_runtime::numa::prefer_nodes(addr, len, &self.nodes) {
+                tracing::warn!(
+                    addr,
+                    len,
+                    "cuda transport: cannot steer host memory to NUMA nodes {:?} (mbind: {e}); the kernel's default placement stays",
+                    self.nodes
+                );
+            }
+        }
+    }
+
+    /// The CPUs of all planned nodes (for the pin threads, which serve every device).
+    fn all_cpus(&self) -> Vec<usize> {
+        let mut v: Vec<usize> = self.cpus.values().flatten().copied().collect();
+        v.sort_unstable();
+        v.dedup();
+        v
+    }
+}
+
+/// Runs the calling thread on `cpus` (a device's NUMA node), logging a failure.
+fn run_on_node(what: &str, cpus: &[usize]) {
+    if let Err(e) = pegaflow_runtime::numa::run_on_cpus(cpus) {
+        tracing::warn!("{what}: cannot run on the GPU's NUMA node CPUs: {e}");
+    }
 }
 
 /// The `cuda` transport. Cheap to share; dropping it stops its workers (after the batches they
@@ -267,12 +349,17 @@ impl CudaTransport {
     /// `cfg.pin`) and the copy workers of every served device.
     pub fn new(cfg: CudaTransportConfig, ctx: &RuntimeContext) -> Self {
         let shared = driver().map(|drv| {
+            let served: Vec<i32> = match &ctx.devices {
+                Some(v) => v.clone(),
+                None => drv.devices().iter().map(|d| d.ordinal).collect(),
+            };
             Arc::new(Shared {
                 driver: drv,
                 cfg,
                 pins: OnceLock::new(),
                 allowed: ctx.devices.clone(),
                 workers: Mutex::new(HashMap::new()),
+                numa: Numa::plan(drv, &served, ctx.numa_affinity),
             })
         });
         if let Err(e) = &shared {
@@ -289,6 +376,7 @@ impl CudaTransport {
             Some(v) => v.first().copied(),
             None => s.driver.devices().first().map(|d| d.ordinal),
         };
+        s.numa.place(regions);
         if let (Some(dev), true, false) = (pin_dev, s.cfg.pin, regions.is_empty()) {
             let ranges: Vec<(usize, usize)> = regions.iter().map(|r| r.range()).collect();
             let owners: Vec<_> = regions.iter().map(|r| r.owner.clone()).collect();
@@ -299,6 +387,7 @@ impl CudaTransport {
                 s.cfg.pin_chunk,
                 s.cfg.pin_threads,
                 Some(Arc::new(owners)),
+                s.numa.all_cpus(),
             );
             if s.pins.set(set.clone()).is_err() {
                 set.cancel();
@@ -370,12 +459,16 @@ impl CudaTransport {
         let cfg = s.cfg.clone();
         let pins = s.pins.get().cloned();
         let drv = s.driver;
+        let cpus = s.numa.cpus.get(&ordinal).cloned().unwrap_or_default();
         std::thread::Builder::new()
             .name(format!(
                 "cuda-copy-{ordinal}-{}",
                 if to_host { "d2h" } else { "h2d" }
             ))
-            .spawn(move || worker_main(drv, ordinal, dir, cfg, pins, rx))
+            .spawn(move || {
+                run_on_node("cuda copy worker", &cpus);
+                worker_main(drv, ordinal, dir, cfg, pins, rx)
+            })
             .map_err(|e| TransportError(format!("cannot spawn a cuda copy worker: {e}")))?;
         workers.insert((ordinal, to_host), tx.clone());
         Ok(tx)
