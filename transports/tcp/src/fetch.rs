@@ -89,10 +89,101 @@ impl Failure {
     }
 }
 
+/// Why a handshake failed.
+#[derive(Debug)]
+pub enum HandshakeError {
+    /// The `RdmaHandshake` call itself failed (a gRPC status).
+    Rpc(tonic::Status),
+    /// The peer answered, in a protocol this data path does not speak, or with metadata it
+    /// cannot use (the message says what).
+    Refused(String),
+    /// Setting up the data connection the answer describes failed.
+    Data(PeerDataError),
+}
+
+/// One `RdmaHandshake` round trip with a peer, as the fetcher offers it to a [`Handshake`]:
+/// sends `metadata`, returns the peer's answer metadata.
+#[async_trait]
+pub trait Exchange: Send {
+    /// Sends `metadata` in an `RdmaHandshake` and returns the answer's metadata.
+    async fn exchange(&mut self, metadata: Vec<u8>) -> Result<Vec<u8>, tonic::Status>;
+}
+
+/// The data path's half of the handshake: what the requester sends in `RdmaHandshake`, and
+/// what the answer means (the data endpoint later handed to [`PeerDataPath::connect`] and
+/// [`PeerDataPath::pull`]). TCP's ([`TcpHandshake`]) names its protocol and reads the data
+/// port; an RDMA data path offers its queue pairs and connects them to the answer's.
+#[async_trait]
+pub trait Handshake: Send + Sync + 'static {
+    /// Handshakes with `node` (its advertised `ip:port`) through `rpc`, by `deadline`;
+    /// returns the data endpoint.
+    async fn handshake(
+        &self,
+        node: &str,
+        rpc: &mut dyn Exchange,
+        deadline: Instant,
+    ) -> Result<String, HandshakeError>;
+    /// Whether data moves without the holder's CPU (one-sided reads): the holder's lease is
+    /// then not renewed by reads, so the fetcher releases the lock right after the pull and
+    /// keeps the bytes only if the holder confirms the lock was still held (it released
+    /// every locked block), i.e. the blocks could not have been freed and reused under the
+    /// reads.
+    fn one_sided(&self) -> bool {
+        false
+    }
+}
+
+/// The TCP handshake: metadata [`HANDSHAKE`], answered `pegaflow-tcp/1 port=N`; the data
+/// endpoint is the node's host on port N.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct TcpHandshake;
+
+#[async_trait]
+impl Handshake for TcpHandshake {
+    async fn handshake(
+        &self,
+        node: &str,
+        rpc: &mut dyn Exchange,
+        _deadline: Instant,
+    ) -> Result<String, HandshakeError> {
+        let answer = rpc
+            .exchange(HANDSHAKE.as_bytes().to_vec())
+            .await
+            .map_err(HandshakeError::Rpc)?;
+        let port = parse_handshake(&answer).ok_or_else(|| {
+            HandshakeError::Refused(
+                "the peer does not speak the tcp data path (handshake metadata)".into(),
+            )
+        })?;
+        Ok(data_endpoint(node, port))
+    }
+}
+
+struct ClientExchange<'a> {
+    client: &'a mut Client,
+    requester_id: &'a str,
+}
+
+#[async_trait]
+impl Exchange for ClientExchange<'_> {
+    async fn exchange(&mut self, metadata: Vec<u8>) -> Result<Vec<u8>, tonic::Status> {
+        Ok(self
+            .client
+            .rdma_handshake(pb::RdmaHandshakeRequest {
+                requester_id: self.requester_id.to_owned(),
+                handshake_metadata: metadata,
+            })
+            .await?
+            .into_inner()
+            .handshake_metadata)
+    }
+}
+
 /// The fetcher.
 pub struct Fetcher {
     requester_id: String,
     data: Arc<dyn PeerDataPath>,
+    handshake: Arc<dyn Handshake>,
     limits: FetchLimits,
     peers: Mutex<HashMap<String, Peer>>,
     suspects: Mutex<HashMap<String, Instant>>,
@@ -118,13 +209,16 @@ impl std::fmt::Debug for Fetcher {
 /// timeout dropping the fetch future), detached and bounded by 2 s.
 struct LockGuard {
     client: Client,
-    session: String,
+    /// `None` once released by the fetch itself (a one-sided pull's confirmed release).
+    session: Option<String>,
 }
 
 impl Drop for LockGuard {
     fn drop(&mut self) {
         let mut client = self.client.clone();
-        let session = std::mem::take(&mut self.session);
+        let Some(session) = self.session.take() else {
+            return;
+        };
         tokio::spawn(async move {
             let r = tokio::time::timeout(
                 Duration::from_secs(2),
@@ -144,7 +238,7 @@ impl Drop for LockGuard {
 }
 
 /// The data endpoint `host:port` of `node` (`ip:port`, `[v6]:port` or `host:port`) on `port`.
-fn data_endpoint(node: &str, port: u16) -> String {
+pub fn data_endpoint(node: &str, port: u16) -> String {
     match node.parse::<SocketAddr>() {
         Ok(a) => SocketAddr::new(a.ip(), port).to_string(),
         Err(_) => match node.rsplit_once(':') {
@@ -172,12 +266,25 @@ impl Fetcher {
         Self {
             requester_id,
             data,
+            handshake: Arc::new(TcpHandshake),
             limits,
             peers: Mutex::new(HashMap::new()),
             suspects: Mutex::new(HashMap::new()),
             stale: Mutex::new(HashMap::new()),
             metrics,
         }
+    }
+
+    /// The same fetcher handshaking through `h` instead of [`TcpHandshake`] (an RDMA data
+    /// path offers its queue pairs in the handshake).
+    pub fn with_handshake(mut self, h: Arc<dyn Handshake>) -> Self {
+        self.handshake = h;
+        self
+    }
+
+    /// The id this fetcher names itself with to peers.
+    pub fn requester_id(&self) -> &str {
+        &self.requester_id
     }
 
     fn mark_suspect(&self, node: &str) {
@@ -226,23 +333,27 @@ impl Fetcher {
         Ok((client, None))
     }
 
-    /// Asks `node` for its data endpoint (`RdmaHandshake`) and caches it.
-    async fn handshake(&self, client: &mut Client, node: &str) -> Result<String, Failure> {
-        let r = client
-            .rdma_handshake(pb::RdmaHandshakeRequest {
-                requester_id: self.requester_id.clone(),
-                handshake_metadata: HANDSHAKE.as_bytes().to_vec(),
-            })
+    /// Asks `node` for its data endpoint (`RdmaHandshake`, through the data path's
+    /// [`Handshake`]) and caches it.
+    async fn handshake(
+        &self,
+        client: &mut Client,
+        node: &str,
+        deadline: Instant,
+    ) -> Result<String, Failure> {
+        let mut rpc = ClientExchange {
+            client,
+            requester_id: &self.requester_id,
+        };
+        let e = self
+            .handshake
+            .handshake(node, &mut rpc, deadline)
             .await
-            .map_err(|e| rpc_failure("handshake", e))?
-            .into_inner();
-        let port = parse_handshake(&r.handshake_metadata).ok_or_else(|| {
-            Failure::suspect(
-                "handshake",
-                "the peer does not speak the tcp data path (handshake metadata)",
-            )
-        })?;
-        let e = data_endpoint(node, port);
+            .map_err(|e| match e {
+                HandshakeError::Rpc(s) => rpc_failure("handshake", s),
+                HandshakeError::Refused(m) => Failure::suspect("handshake", m),
+                HandshakeError::Data(d) => data_failure(d),
+            })?;
         if let Some(p) = self.peers.lock().get_mut(node) {
             p.endpoint = Some(e.clone());
         }
@@ -260,14 +371,14 @@ impl Fetcher {
         let (mut client, cached) = self.client(node)?;
         let endpoint = match &cached {
             Some(e) => e.clone(),
-            None => self.handshake(&mut client, node).await?,
+            None => self.handshake(&mut client, node, deadline).await?,
         };
         // A live data connection before anything is locked there. A cached endpoint may be
         // out of date (the peer restarted on another data port): handshake again, once.
         let endpoint = match self.data.connect(&endpoint, deadline).await {
             Ok(()) => endpoint,
             Err(PeerDataError::Unreachable(_)) if cached.is_some() => {
-                let e = self.handshake(&mut client, node).await?;
+                let e = self.handshake(&mut client, node, deadline).await?;
                 self.data
                     .connect(&e, deadline)
                     .await
@@ -289,9 +400,9 @@ impl Fetcher {
             .await
             .map_err(|e| rpc_failure("rpc", e))?
             .into_inner();
-        let _guard = (!answer.transfer_session_id.is_empty()).then(|| LockGuard {
+        let mut guard = (!answer.transfer_session_id.is_empty()).then(|| LockGuard {
             client: client.clone(),
-            session: answer.transfer_session_id.clone(),
+            session: Some(answer.transfer_session_id.clone()),
         });
         if answer.status.as_ref().is_some_and(|s| !s.ok) {
             let msg = answer.status.map(|s| s.message).unwrap_or_default();
@@ -378,6 +489,31 @@ impl Fetcher {
             .pull(&endpoint, &answer.transfer_session_id, reads, deadline)
             .await
             .map_err(data_failure)?;
+        if self.handshake.one_sided() {
+            // The holder saw none of the reads: its lease was not renewed by them. The bytes
+            // are the holder's only if the lock outlived the pull (else the blocks may have
+            // been freed and reused under the reads).
+            if let Some(g) = guard.as_mut() {
+                g.session = None;
+            }
+            let locked = answer.blocks.len() as u64;
+            let released = client
+                .release_transfer_lock(pb::ReleaseTransferLockRequest {
+                    transfer_session_id: answer.transfer_session_id.clone(),
+                })
+                .await
+                .map_err(|e| rpc_failure("lock_lost", e))?
+                .into_inner()
+                .released_blocks;
+            if released < locked {
+                return Err(Failure::suspect(
+                    "lock_lost",
+                    format!(
+                        "the holder released {released} of {locked} locked blocks after a one-sided pull: its lock ended during the reads"
+                    ),
+                ));
+            }
+        }
         let pool = stack.pool();
         let blocks: Vec<Arc<SealedBlock>> = dests
             .into_iter()

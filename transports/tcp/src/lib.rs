@@ -212,13 +212,6 @@ impl TcpPeer {
     }
 }
 
-fn ok() -> Option<pb::ResponseStatus> {
-    Some(pb::ResponseStatus {
-        ok: true,
-        message: String::new(),
-    })
-}
-
 /// A slot as the wire describes it: its first piece as K and its second (if any) as V; a
 /// slot spread over more pieces cannot be described (`None`).
 fn slot_info(
@@ -245,6 +238,104 @@ fn slot_info(
     })
 }
 
+/// QueryBlocksForTransfer on the holder, for any data path that serves from the pool with
+/// these locks: the prefix of the requested blocks this node holds in DRAM (stopping at the
+/// first it does not hold, or whose slot the wire cannot describe), locked in `locks` under
+/// a fresh session, with their slots' pool addresses; `numa_node` is reported per slot.
+///
+/// # Errors
+/// RESOURCE_EXHAUSTED when `max_locked_blocks` are locked already.
+pub fn lock_for_transfer(
+    locks: &Locks,
+    numa_node: i32,
+    store: &Arc<TierStack>,
+    req: pb::QueryBlocksForTransferRequest,
+) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status> {
+    let mut blocks = Vec::new();
+    let mut infos = Vec::new();
+    let mut pieces = Vec::new();
+    // Only the prefix up to the first block this node cannot serve: the requester uses no
+    // more than that, and locking blocks past a gap would pin them for nothing.
+    for h in &req.block_hashes {
+        let Some(b) = store.get_touch(KeyRef {
+            namespace: &req.namespace,
+            group: 0,
+            hash: h,
+        }) else {
+            break;
+        };
+        let mut p = Vec::new();
+        let slots: Option<Vec<_>> = b
+            .slots
+            .iter()
+            .map(|s| slot_info(s, numa_node, &mut p))
+            .collect();
+        let Some(slots) = slots else { break };
+        pieces.extend(p);
+        infos.push(pb::TransferBlockInfo {
+            block_hash: h.clone(),
+            slots,
+        });
+        blocks.push(b);
+    }
+    let lease = locks.lease_secs();
+    if blocks.is_empty() {
+        return Ok(pb::QueryBlocksForTransferResponse {
+            status: ok(),
+            blocks: Vec::new(),
+            transfer_session_id: String::new(),
+            lock_timeout_secs: lease,
+        });
+    }
+    let session = locks
+        .lock(&req.requester_id, Locked::new(blocks, pieces))
+        .map_err(|e| tonic::Status::resource_exhausted(e.to_string()))?;
+    Ok(pb::QueryBlocksForTransferResponse {
+        status: ok(),
+        blocks: infos,
+        transfer_session_id: session,
+        lock_timeout_secs: lease,
+    })
+}
+
+/// ReleaseTransferLock on the holder: ends the session in `locks`; success with the number
+/// of blocks it held (0 for an unknown or already ended session).
+pub fn release_lock(
+    locks: &Locks,
+    req: pb::ReleaseTransferLockRequest,
+) -> pb::ReleaseTransferLockResponse {
+    let n = locks.release(&req.transfer_session_id);
+    pb::ReleaseTransferLockResponse {
+        status: ok(),
+        released_blocks: n as u64,
+    }
+}
+
+/// Runs `locks`' sweeper (expired leases and caps) every [`Locks::sweep_every`] until the
+/// table is dropped.
+pub fn spawn_sweeper(locks: &Arc<Locks>) {
+    let every = locks.sweep_every();
+    let locks = Arc::downgrade(locks);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(every);
+        loop {
+            tick.tick().await;
+            match locks.upgrade() {
+                Some(l) => l.sweep(),
+                None => return,
+            }
+        }
+    });
+}
+
+/// A status-bearing answer's `ok` status.
+pub fn ok() -> Option<pb::ResponseStatus> {
+    Some(pb::ResponseStatus {
+        ok: true,
+        message: String::new(),
+    })
+}
+
 #[async_trait]
 impl PeerService for TcpPeer {
     fn kind(&self) -> &'static str {
@@ -256,52 +347,7 @@ impl PeerService for TcpPeer {
         store: &Arc<TierStack>,
         req: pb::QueryBlocksForTransferRequest,
     ) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status> {
-        let mut blocks = Vec::new();
-        let mut infos = Vec::new();
-        let mut pieces = Vec::new();
-        // Only the prefix up to the first block this node cannot serve: the requester uses no
-        // more than that, and locking blocks past a gap would pin them for nothing.
-        for h in &req.block_hashes {
-            let Some(b) = store.get_touch(KeyRef {
-                namespace: &req.namespace,
-                group: 0,
-                hash: h,
-            }) else {
-                break;
-            };
-            let mut p = Vec::new();
-            let slots: Option<Vec<_>> = b
-                .slots
-                .iter()
-                .map(|s| slot_info(s, self.config.numa_node, &mut p))
-                .collect();
-            let Some(slots) = slots else { break };
-            pieces.extend(p);
-            infos.push(pb::TransferBlockInfo {
-                block_hash: h.clone(),
-                slots,
-            });
-            blocks.push(b);
-        }
-        let lease = self.locks.lease_secs();
-        if blocks.is_empty() {
-            return Ok(pb::QueryBlocksForTransferResponse {
-                status: ok(),
-                blocks: Vec::new(),
-                transfer_session_id: String::new(),
-                lock_timeout_secs: lease,
-            });
-        }
-        let session = self
-            .locks
-            .lock(&req.requester_id, Locked::new(blocks, pieces))
-            .map_err(|e| tonic::Status::resource_exhausted(e.to_string()))?;
-        Ok(pb::QueryBlocksForTransferResponse {
-            status: ok(),
-            blocks: infos,
-            transfer_session_id: session,
-            lock_timeout_secs: lease,
-        })
+        lock_for_transfer(&self.locks, self.config.numa_node, store, req)
     }
 
     async fn release_transfer_lock(
@@ -309,11 +355,7 @@ impl PeerService for TcpPeer {
         _store: &Arc<TierStack>,
         req: pb::ReleaseTransferLockRequest,
     ) -> Result<pb::ReleaseTransferLockResponse, tonic::Status> {
-        let n = self.locks.release(&req.transfer_session_id);
-        Ok(pb::ReleaseTransferLockResponse {
-            status: ok(),
-            released_blocks: n as u64,
-        })
+        Ok(release_lock(&self.locks, req))
     }
 
     async fn rdma_handshake(
@@ -375,22 +417,7 @@ fn build(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn PeerSe
         limits,
         metrics.clone(),
     ));
-    {
-        let locks = Arc::downgrade(&locks);
-        let every = locks
-            .upgrade()
-            .map_or(Duration::from_millis(250), |l| l.sweep_every());
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(every);
-            loop {
-                tick.tick().await;
-                match locks.upgrade() {
-                    Some(l) => l.sweep(),
-                    None => return,
-                }
-            }
-        });
-    }
+    spawn_sweeper(&locks);
     let fetcher = c.fetch.then(|| {
         let id = format!("pegaflow-tcp-{}", uuid::Uuid::new_v4());
         let data = Arc::new(client::TcpDataPath::new(

@@ -37,7 +37,8 @@ pub struct PeerMetrics {
     /// Bytes fetched from peers into DRAM.
     pub fetch_bytes: IntCounter,
     /// Fetches that landed less than asked, by reason: `timeout`, `unreachable`,
-    /// `handshake`, `refused`, `rpc`, `short` (the peer held fewer blocks than the directory
+    /// `handshake`, `refused`, `rpc`, `lock_lost` (a one-sided pull whose lock the holder
+    /// no longer held when released), `short` (the peer held fewer blocks than the directory
     /// said: a stale advertisement), `bad_answer` (a slot shape or size the peer answered
     /// that does not fit), `no_memory`.
     pub fetch_failures: IntCounterVec,
