@@ -10,6 +10,8 @@ use pegaflow_tier_dram as _;
 use pegaflow_tier_ssd as _;
 #[cfg(any(feature = "cuda-13", feature = "cuda-12"))]
 use pegaflow_transport_cuda as _;
+#[cfg(feature = "rdma-emu")]
+use pegaflow_transport_rdma as _;
 #[cfg(feature = "shm")]
 use pegaflow_transport_shm as _;
 #[cfg(feature = "tcp")]
