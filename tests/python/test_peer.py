@@ -1,6 +1,7 @@
 """Peer fetch through the PUBLISHED client: two servers share a Redis-backed directory and
-the `tcp` peer delegate. A block saved on the first is asked for on the second: the client
-sees QueryLoading while the second server fetches it over TCP, re-polls with the same req_id
+a peer delegate, the `tcp` one or the RDMA emulator's (`rdma-emu`: one-sided READs of the
+holder's pool, no RDMA hardware). A block saved on the first is asked for on the second: the
+client sees QueryLoading while the second server fetches it, re-polls with the same req_id
 and hashes (as the connector does), gets QueryReady, and the loaded bytes are exact.
 
 Skips without `redis-server`.
@@ -28,9 +29,7 @@ key_prefix = "pf:pytest-peer:{tag}:"
 stale_after_secs = 30
 query_timeout_ms = 300
 
-[peer]
-kind = "tcp"
-data_addr = "127.0.0.1:0"
+{peer}
 
 [[tier]]
 kind = "dram"
@@ -75,9 +74,20 @@ def save(client, inst, kv, ids, hs):
     assert ok is True, msg
 
 
-def test_a_block_saved_on_one_node_loads_byte_exact_on_another(fresh_server, tmp_path, uid, host_kv, redis_port):
+PEERS = {
+    "tcp": '[peer]\nkind = "tcp"\ndata_addr = "127.0.0.1:0"\n',
+    "rdma-emu": '[peer]\nkind = "rdma-emu"\nnics = ["emu0", "emu1"]\n\n[peer.emu]\nsocket_dir = "{dir}"\n',
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PEERS))
+def test_a_block_saved_on_one_node_loads_byte_exact_on_another(kind, request, fresh_server, tmp_path, uid, host_kv, redis_port):
     cfg = tmp_path / "pipeline.toml"
-    cfg.write_text(PIPELINE.format(port=redis_port, tag=uuid.uuid4().hex[:8]))
+    # The emulator's fabric sockets: a short folder (a socket path has at most 107 bytes).
+    sock_dir = tempfile.mkdtemp(prefix="pf-")
+    request.addfinalizer(lambda: shutil.rmtree(sock_dir, ignore_errors=True))
+    peer = PEERS[kind].format(dir=sock_dir)
+    cfg.write_text(PIPELINE.format(port=redis_port, tag=uuid.uuid4().hex[:8], peer=peer))
     a = fresh_server(pool_size="64mb", extra_args=["--config", str(cfg)])
     b = fresh_server(pool_size="64mb", extra_args=["--config", str(cfg)])
     ca, cb = EngineRpcClient(a.endpoint), EngineRpcClient(b.endpoint)
@@ -126,4 +136,10 @@ def test_a_block_saved_on_one_node_loads_byte_exact_on_another(fresh_server, tmp
     mb, ma = b.metrics(), a.metrics()
     assert pftest.metric_value(mb, "pegaflow_peer_fetch_blocks_total") == 8
     pftest.wait_until(lambda: pftest.metric_value(a.metrics(), "pegaflow_transfer_locks_held") == 0, 5)
-    assert pftest.metric_value(ma, "pegaflow_peer_serve_requests_total", outcome="ok") >= 1
+    if kind == "tcp":
+        assert pftest.metric_value(ma, "pegaflow_peer_serve_requests_total", outcome="ok") >= 1
+    else:
+        # One-sided: the holder's CPU served nothing; the requester posted the READs and
+        # released the lock only once they had all landed.
+        assert pftest.metric_value(mb, "pegaflow_rdma_wrs_posted_total") >= 8
+        assert pftest.metric_value(mb, "pegaflow_rdma_draining_bytes") == 0
