@@ -178,8 +178,7 @@ pub enum LoadPhase {
     /// Completion word attached, worker, ranks and groups resolved, every lease and target
     /// checked.
     Validate,
-    /// The leases consumed and the copy ops built (for a load of at least
-    /// `HEAD_START_MIN_BYTES`, its first quarter is already copying meanwhile).
+    /// The leases consumed and the copy ops built.
     Plan,
     /// The batched host → device copy to completion.
     Copy,

@@ -55,48 +55,6 @@ async fn multi_layer_roundtrip_is_byte_exact() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_load_past_the_head_start_size_lands_whole_in_two_parts() {
-    // 80 blocks of 4 MiB: 320 MiB, past the size from which a load's head is copied while
-    // the rest is planned. Every block must land in its own target.
-    let shape = KvShape {
-        layers: 4,
-        num_blocks: 80,
-        segment_bytes: 512 << 10,
-    };
-    let n = 80;
-    let load_bytes = (n * shape.layers * 2 * shape.segment_bytes) as u64;
-    assert!(load_bytes >= pegaflow_runtime::engine::HEAD_START_MIN_BYTES);
-    let srv = TestServer::start(ServerOptions {
-        capacity_bytes: 384 << 20,
-        ..ServerOptions::default()
-    })
-    .await;
-    let mut w = Worker::register(&srv, "big", "ns", shape, 0, 1, 0).await;
-    let hs = hashes("big", n);
-    for (i, h) in hs.iter().enumerate() {
-        w.kv.fill(i, h);
-    }
-    let ids: Vec<u32> = (0..n as u32).collect();
-    w.save(&ids, &hs).await.unwrap();
-    let (got, lease) = ready(w.client.query("big", hs.clone(), "r").await.unwrap());
-    assert_eq!(got as usize, n);
-    for b in 0..shape.num_blocks {
-        w.kv.poison(b, 0x5A);
-    }
-    // Reversed targets: the head (the first quarter of the bytes) lands in the last quarter
-    // of the cache, the rest before it; every block is checked.
-    let targets: Vec<u32> = (0..n as u32).rev().collect();
-    assert_eq!(w.load(&lease, &targets).await.unwrap(), LOAD_SUCCESS);
-    for (i, h) in hs.iter().enumerate() {
-        assert!(
-            w.kv.holds(n - 1 - i, h),
-            "block {i} restored into {}",
-            n - 1 - i
-        );
-    }
-}
-
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tp2_needs_both_ranks_and_both_load_once() {
     let srv = TestServer::start(ServerOptions::default()).await;
     let shape = KvShape {

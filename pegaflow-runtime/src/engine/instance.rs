@@ -348,20 +348,6 @@ pub struct WorkerLease {
     pub guard: tokio::sync::OwnedRwLockReadGuard<()>,
 }
 
-impl WorkerLease {
-    /// A second lease on the same worker (its own gate guard), for a copy that runs in a task
-    /// of its own; `None` when the instance began closing.
-    pub fn share(&self) -> Option<WorkerLease> {
-        let guard = self.instance.gate.clone().try_read_owned().ok()?;
-        Some(WorkerLease {
-            instance: self.instance.clone(),
-            worker: self.worker.clone(),
-            topology: self.topology.clone(),
-            guard,
-        })
-    }
-}
-
 impl Instance {
     /// Acquires the gate without waiting and resolves the worker for `device_id`.
     pub fn enter(self: &Arc<Self>, device_id: i32) -> EngineResult<WorkerLease> {

@@ -31,20 +31,7 @@ struct Prepared {
     ops: Vec<CopyOp>,
     blocks: Vec<Arc<[Arc<SealedBlock>]>>,
     bytes: u64,
-    /// The head of a large load, already copying while the rest was planned (see
-    /// [`HEAD_START_MIN_BYTES`]); the load completes when both parts have.
-    head: Option<tokio::task::JoinHandle<EngineResult<()>>>,
 }
-
-/// A load of at least this many bytes starts copying its first 1/[`HEAD_FRACTION`] while
-/// the rest of its ops are built, so the copy engine is not idle while the load is planned
-/// (for a 4 GiB load of 2 MiB blocks, planning is milliseconds before the first byte would
-/// otherwise move).
-pub const HEAD_START_MIN_BYTES: u64 = 256 << 20;
-
-/// A large load sends 1/`HEAD_FRACTION` of its bytes ahead: that copy must outlast planning
-/// the rest, and the seam between the two parts costs one drain of the copy pipeline.
-pub const HEAD_FRACTION: u64 = 4;
 
 /// One layer of a load group: (name, registration, slot, offset in the slot).
 type GroupLayer<'a> = (&'a str, &'a WorkerLayer, usize, usize);
@@ -143,14 +130,13 @@ impl Engine {
         let leases = self.check_leases(&wl, cmd, &groups)?;
         let phases = &self.metrics.rpc_phases;
         clock.lap(phases.load(LoadPhase::Validate));
-        let (ops, blocks, bytes, head) = self.consume_and_plan(&wl, &groups, leases)?;
+        let (ops, blocks, bytes) = self.consume_and_plan(&wl, &groups, leases)?;
         clock.lap(phases.load(LoadPhase::Plan));
         Ok(Some(Prepared {
             wl,
             ops,
             blocks,
             bytes,
-            head,
         }))
     }
 
@@ -223,21 +209,14 @@ impl Engine {
         Ok(leases)
     }
 
-    /// Consumes the checked leases and plans the copy of every targeted block. A load of at
-    /// least [`HEAD_START_MIN_BYTES`] has its first 1/[`HEAD_FRACTION`] copied (the returned
-    /// task, holding its own worker lease and blocks) while the rest is planned.
+    /// Consumes the checked leases and plans the copy of every targeted block.
     #[allow(clippy::type_complexity)]
     fn consume_and_plan(
         &self,
         wl: &WorkerLease,
         groups: &[LoadGroup<'_>],
         leases: Vec<([u8; LEASE_BYTES], &LeaseLoad)>,
-    ) -> EngineResult<(
-        Vec<CopyOp>,
-        Vec<Arc<[Arc<SealedBlock>]>>,
-        u64,
-        Option<tokio::task::JoinHandle<EngineResult<()>>>,
-    )> {
+    ) -> EngineResult<(Vec<CopyOp>, Vec<Arc<[Arc<SealedBlock>]>>, u64)> {
         // Every target names one block per layer of its group, each block at most `segments`
         // ranges: reserve for that, so the vector never grows while it is filled.
         let mut want = 0usize;
@@ -251,41 +230,11 @@ impl Engine {
                 want += targets.iter().flatten().count() * per_block;
             }
         }
-        // Every lease is consumed before any op is built or any byte moves.
-        let mut held = Vec::with_capacity(leases.len());
-        for (id, _) in &leases {
-            held.push(self.leases.consume(id, &wl.instance.id)?);
-        }
-        let total_bytes: u64 = leases
-            .iter()
-            .zip(&held)
-            .map(|((_, ll), blocks)| {
-                groups
-                    .iter()
-                    .zip(&ll.targets_by_group)
-                    .map(|(g, targets)| {
-                        let per_block: u64 = g
-                            .layers
-                            .iter()
-                            .map(|(_, l, ..)| l.layout.block_bytes())
-                            .sum();
-                        let n = blocks
-                            .iter()
-                            .zip(targets)
-                            .filter(|(_, t)| t.is_some())
-                            .count();
-                        per_block * n as u64
-                    })
-                    .sum::<u64>()
-            })
-            .sum();
-        let mut head_at = (total_bytes >= HEAD_START_MIN_BYTES
-            && tokio::runtime::Handle::try_current().is_ok())
-        .then_some(total_bytes / HEAD_FRACTION);
-        let mut head = None;
         let mut ops = Vec::with_capacity(want);
+        let mut held = Vec::with_capacity(leases.len());
         let mut bytes = 0u64;
-        for ((_, ll), blocks) in leases.iter().zip(&held) {
+        for (id, ll) in leases {
+            let blocks = self.leases.consume(&id, &wl.instance.id)?;
             for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
                 // Per layer, once: its device base address; and the bytes of one block over
                 // the group's layers.
@@ -303,24 +252,12 @@ impl Engine {
                         push_load_ops(&mut ops, l, base, u64::from(dst), &b.slots[slot], off);
                     }
                     bytes += per_block;
-                    if head.is_none() && head_at.is_some_and(|at| bytes >= at) {
-                        match start_head(wl, std::mem::take(&mut ops), &held) {
-                            Ok(h) => {
-                                head = Some(h);
-                                ops.reserve(want - want / HEAD_FRACTION as usize);
-                            }
-                            // The gate could not be entered again: one batch, as before.
-                            Err(back) => {
-                                ops = back;
-                                head_at = None;
-                            }
-                        }
-                    }
                 }
             }
+            held.push(blocks);
         }
         self.metrics.leases_active.set(self.leases.len() as i64);
-        Ok((ops, held, bytes, head))
+        Ok((ops, held, bytes))
     }
 }
 
@@ -484,35 +421,6 @@ fn check_group_targets(
     Ok(())
 }
 
-/// Starts copying `ops`, a large load's head, in its own task, which holds a worker lease of
-/// its own and the load's blocks until the copy has ended (so a dropped Load, or a failure
-/// of the rest, never leaves a copy running into released memory). `Err(ops)`: the
-/// instance's gate could not be entered again (it began closing); the caller copies the
-/// head with the rest.
-fn start_head(
-    wl: &WorkerLease,
-    ops: Vec<CopyOp>,
-    held: &[Arc<[Arc<SealedBlock>]>],
-) -> Result<tokio::task::JoinHandle<EngineResult<()>>, Vec<CopyOp>> {
-    let Some(lease) = wl.share() else {
-        return Err(ops);
-    };
-    let batch = CopyBatch {
-        location: wl.worker.location,
-        direction: Direction::ToDevice,
-        mode: wl.instance.transfer_mode,
-        ops,
-    };
-    let transport = wl.worker.transport.clone();
-    let keep = (held.to_vec(), lease);
-    tracing::debug!(
-        instance = %wl.instance.id,
-        ops = batch.ops.len(),
-        "load head copying while the rest is planned"
-    );
-    Ok(tokio::spawn(Engine::run_copy(transport, batch, keep)))
-}
-
 /// The copy of a prepared load, to completion, with its metrics and its completion word.
 async fn copy_to_device(
     metrics: Arc<Metrics>,
@@ -530,18 +438,7 @@ async fn copy_to_device(
     let bytes = p.bytes;
     let keep = (p.blocks, p.wl);
     let t0 = Instant::now();
-    let mut r = if batch.ops.is_empty() {
-        Ok(())
-    } else {
-        Engine::run_copy(transport, batch, keep).await
-    };
-    if let Some(head) = p.head {
-        // The head started first; the load is done when both parts are.
-        let h = head
-            .await
-            .unwrap_or_else(|e| Err(EngineError::internal(format!("copy task failed: {e}"))));
-        r = r.and(h);
-    }
+    let r = Engine::run_copy(transport, batch, keep).await;
     let phases = &metrics.rpc_phases;
     clock.lap(phases.load(LoadPhase::Copy));
     match &r {

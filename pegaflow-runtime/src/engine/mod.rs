@@ -36,7 +36,6 @@ pub use crate::store::BlockIndex;
 pub use command::MAX_HASH_BYTES;
 pub use instance::{Instance, Topology, Worker};
 pub use lease::{parse_lease, LeaseTable};
-pub use load::{HEAD_FRACTION, HEAD_START_MIN_BYTES};
 pub use reaper::Reaper;
 pub use registry::Registry;
 
