@@ -21,6 +21,9 @@ use std::time::{Duration, Instant};
 use peer_support::*;
 use pegaflow_tests::harness::KvShape;
 use pegaflow_tests::redis::RedisServer;
+// Link the directory backends so their factories register (the throughput measurement asks
+// the directory when the source's run is listed).
+use pegaflow_directory as _;
 
 /// 2 layers × 64 blocks × 4 KiB segments: 16 KiB per block.
 const SMALL: KvShape = KvShape {
@@ -328,4 +331,89 @@ async fn simultaneous_mutual_fetches_both_land() {
     load_exact(&mut wa, &sa.lease, 20, &hb).await;
     load_exact(&mut wb, &sb.lease, 20, &ha).await;
     assert!(a.alive() && b.alive(), "neither panicked");
+}
+
+/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
+async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
+    let mut settings = toml::Table::new();
+    settings.insert("url".into(), env.redis.url().into());
+    settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
+    let dir = (pegaflow_runtime::directory_factory("redis").unwrap().build)(
+        &settings,
+        &pegaflow_runtime::RuntimeContext::default(),
+    )
+    .expect("a redis directory client");
+    let t0 = Instant::now();
+    loop {
+        let plan = dir.query_prefix(NS, hs, None).await.unwrap_or_default();
+        if plan.len() == 1 && plan[0].node == node.addr() && plan[0].prefix_len as usize == hs.len()
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the directory does not list {} for the run: {plan:?}",
+            node.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
+
+/// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) over the emulator between two
+/// processes, by hand: `cargo build --release --bin pegaflow-server`, then
+/// `PEGAFLOW_SERVER_BIN=target/release/pegaflow-server cargo test -p pegaflow-tests --test
+/// peer_rdma_emu -- --ignored --nocapture rdma_emu_fetch_throughput`. Prints GB/s
+/// (docs/BENCHMARKS.md §12); asserts only that the bytes are exact. An emulator figure: the
+/// copies are `pread`s of the holder's memory on this machine, not a NIC's DMA.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+#[ignore = "a measurement, run by hand with the release server"]
+async fn rdma_emu_fetch_throughput() {
+    const SHAPE: KvShape = KvShape {
+        layers: 4,
+        num_blocks: 256,
+        segment_bytes: 256 << 10,
+    };
+    let Some(env) = env("rdma_emu_fetch_throughput") else {
+        return;
+    };
+    let mut o = env.opts("emu-throughput", "", "");
+    o.pool_bytes = 640 << 20;
+    o.promote_deadline_ms = 30_000;
+    let a = Node::start(&env.bin, "source", &o);
+    for (nics, qps) in [(1usize, 1usize), (1, 2), (2, 2)] {
+        let names: Vec<String> = (0..nics).map(|i| format!("\"emu{i}\"")).collect();
+        let ob = env.opts(
+            "emu-throughput",
+            &format!(
+                "nics = [{}]\nqps_per_peer = {qps}\nfetch_timeout_ms = 20000",
+                names.join(", ")
+            ),
+            "",
+        );
+        let ob = NodeOpts {
+            pool_bytes: 640 << 20,
+            promote_deadline_ms: 30_000,
+            ..ob
+        };
+        let b = Node::start(&env.bin, "requester", &ob);
+        let tag = format!("emu-throughput-{nics}-{qps}");
+        let mut wa = worker(&a, &format!("inst-a-{tag}"), SHAPE).await;
+        let mut wb = worker(&b, "inst-b", SHAPE).await;
+        let hs = hashes(&tag, 256);
+        save(&mut wa, 0, &hs).await;
+        wait_listed(&env, "emu-throughput", &a, &hs).await;
+        let s = settle(&mut wb, &hs, "throughput", Duration::from_secs(30)).await;
+        assert_eq!(s.hits, 256);
+        let bytes = 256.0 * (SHAPE.layers * 2 * SHAPE.segment_bytes) as f64;
+        let fetch = b.metric("pegaflow_peer_fetch_duration_seconds_sum", &[]);
+        println!(
+            "rdma-emu nics = {nics}, qps_per_peer = {qps}: 512 MiB in {:?} from the first query to Ready ({:.2} GB/s); fetch itself {:.3} s ({:.2} GB/s); {} READs",
+            s.took,
+            bytes / s.took.as_secs_f64() / 1e9,
+            fetch,
+            bytes / fetch / 1e9,
+            b.metric("pegaflow_rdma_wrs_posted_total", &[])
+        );
+        load_exact(&mut wb, &s.lease, 0, &hs).await;
+    }
 }

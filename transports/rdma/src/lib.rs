@@ -535,8 +535,8 @@ fn build_emu(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Pe
 macro_rules! common_options {
     ($($extra:expr),* $(,)?) => {
         &[
-            PluginOption { name: "nics", help: "NICs to use by device name (--nics); empty: every device (rdma-emu: one, emu0); counts may differ between nodes" },
-            PluginOption { name: "qps_per_peer", help: "queue pairs per local NIC per peer (--qps-per-peer, 1..=64)" },
+            PluginOption { name: "nics", help: "NICs to use by device name (the rdma kind's --nics); empty: every device (rdma-emu: one, emu0); counts may differ between nodes" },
+            PluginOption { name: "qps_per_peer", help: "queue pairs per local NIC per peer (the rdma kind's --qps-per-peer, 1..=64)" },
             PluginOption { name: "fetch", help: "whether this node fetches from peers (needs a [directory]); false: serve only" },
             PluginOption { name: "lock_lease_ms", help: "a transfer lock's lease in ms (one-sided reads do not renew it: keep it above the requesters' fetch_timeout_ms)" },
             PluginOption { name: "transfer_lock_timeout_secs", help: "the longest a transfer lock lives, in seconds" },
@@ -581,7 +581,10 @@ fn build_verbs(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn 
     let id = format!("pegaflow-rdma-{}", uuid::Uuid::new_v4());
     let nics = ibverbs::open(&c.nic_names(), c.gid_index as u8)
         .map(|v| v.into_iter().map(|n| n as Arc<dyn Nic>).collect())
-        .map_err(|e| e.to_string());
+        .map_err(|e| match e {
+            verbs::VerbsError::Unavailable(why) => why,
+            other => other.to_string(),
+        });
     assemble(
         Parts {
             kind: "rdma",
