@@ -9,6 +9,8 @@
 //!   the fetch fails, both servers keep serving, and nothing leaks: the source's locks,
 //!   the requester's draining buffers and pool bytes, both processes' descriptors;
 //!   after the late completion the next fetch lands;
+//! - the requester killed with READs in flight: the source's locks and queue pairs go at
+//!   once (its fabric sockets close);
 //! - two nodes fetching from each other at the same moment (simultaneous mutual
 //!   handshakes): both land, neither panics.
 //!
@@ -197,6 +199,64 @@ async fn the_source_killed_mid_transfer_falls_through_within_the_deadline() {
     assert!(drained.is_some(), "no buffer left held by a drain");
 }
 
+/// The requester is killed while its READs are in flight (one completes 5 s late, so the
+/// pull is surely still running): its fabric sockets close, and the source releases its
+/// locks at once and drops its queue pairs.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_requester_killed_mid_transfer_frees_the_sources_locks_at_once() {
+    let Some(env) = env("rdma_emu_a_requester_killed_mid_transfer_frees_the_sources_locks_at_once")
+    else {
+        return;
+    };
+    let a = Node::start(&env.bin, "source", &env.opts("emu-kill-req", "", ""));
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let hs = hashes("emu-kill-req", 16);
+    save(&mut wa, 0, &hs).await;
+    let qps_before = a.metric("pegaflow_rdma_queue_pairs", &[]);
+    let ob = env.opts(
+        "emu-kill-req",
+        "fetch_timeout_ms = 20000",
+        "fault_late_after = 2\nfault_late_completion_ms = 5000",
+    );
+    let ob = NodeOpts {
+        promote_deadline_ms: 20_000,
+        ..ob
+    };
+    let mut b = Node::start(&env.bin, "requester", &ob);
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let q = wb
+        .client
+        .query(&wb.instance_id, hs.clone(), "doomed")
+        .await
+        .expect("query");
+    assert!(matches!(q, pegaflow_api::client::QueryOutcome::Loading));
+    let locked = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) > 0.0
+    })
+    .await;
+    assert!(locked.is_some(), "the requester locked the run");
+    assert!(a.metric("pegaflow_rdma_queue_pairs", &[]) > qps_before);
+    b.kill();
+    let freed = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_transfer_locks_held", &[]) == 0.0
+            && a.metric("pegaflow_rdma_queue_pairs", &[]) == qps_before
+    })
+    .await;
+    let disconnect = a.metric(
+        "pegaflow_transfer_lock_releases_total",
+        &[("reason", "disconnect")],
+    );
+    let freed = freed.expect("the source's locks and queue pairs go");
+    println!("rdma-emu: requester killed; the source's locks freed after {freed:?}");
+    assert!(freed < Duration::from_secs(1), "at once: {freed:?}");
+    assert_eq!(disconnect, 1.0, "ended by the requester's disconnect");
+    // The source still serves.
+    let s = settle(&mut wa, &hs, "after", Duration::from_secs(5)).await;
+    assert_eq!(s.hits, 16);
+    load_exact(&mut wa, &s.lease, 20, &hs).await;
+}
+
 /// One fault case: the requester's fetch from the source fails (or, `late`, times out);
 /// both keep serving and nothing leaks. Returns the two nodes and the workers.
 async fn fault_case(
@@ -227,19 +287,24 @@ async fn fault_case(
     assert_eq!(s.hits, 0, "{tag}: the failed fetch serves nothing");
     let failures = b.metric("pegaflow_peer_fetch_failures_total", &[]);
     assert!(failures >= 1.0, "{tag}: counted");
-    // Nothing leaked: the source's locks, the requester's draining buffers and pool bytes.
+    // Nothing leaked: the source's locks, the requester's draining buffers and pool bytes,
+    // both sides' queue pairs (the broken connection is gone on both).
     let ok = within(Duration::from_secs(5), || {
         a.metric("pegaflow_transfer_locks_held", &[]) == 0.0
             && b.metric("pegaflow_rdma_draining_bytes", &[]) == 0.0
             && b.metric("pegaflow_pool_used_bytes", &[]) <= used_before
+            && a.metric("pegaflow_rdma_queue_pairs", &[]) == 0.0
+            && b.metric("pegaflow_rdma_queue_pairs", &[]) == 0.0
     })
     .await;
     assert!(
         ok.is_some(),
-        "{tag}: locks {} draining {} pool {} (was {used_before})",
+        "{tag}: locks {} draining {} pool {} (was {used_before}) queue pairs {} / {}",
         a.metric("pegaflow_transfer_locks_held", &[]),
         b.metric("pegaflow_rdma_draining_bytes", &[]),
-        b.metric("pegaflow_pool_used_bytes", &[])
+        b.metric("pegaflow_pool_used_bytes", &[]),
+        a.metric("pegaflow_rdma_queue_pairs", &[]),
+        b.metric("pegaflow_rdma_queue_pairs", &[])
     );
     // Descriptors: at most what they had (the broken connection's socket and memory
     // descriptor closed; a fresh one may be open to replace it).

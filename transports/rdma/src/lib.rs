@@ -255,18 +255,40 @@ fn emu_defaults() -> toml::Table {
     t
 }
 
-/// The lock table as the emulator's fabric sees it: a fabric connection is the
-/// requester's data connection (its end releases the requester's locks).
-struct LockPeers(Arc<Locks>);
+/// The holder's tables as the emulator's fabric sees them: a fabric connection is the
+/// requester's data connection. Its last one closing releases the requester's locks at
+/// once and drops its queue pairs.
+struct LockPeers {
+    locks: Arc<Locks>,
+    engine: std::sync::OnceLock<std::sync::Weak<Engine>>,
+    open: parking_lot::Mutex<std::collections::HashMap<Arc<str>, usize>>,
+}
 
 impl emu::FabricPeers for LockPeers {
     fn connected(&self, requester: &Arc<str>) {
-        self.0.connected(requester);
+        self.locks.connected(requester);
+        *self.open.lock().entry(requester.clone()).or_insert(0) += 1;
     }
     fn disconnected(&self, requester: &Arc<str>) {
-        let n = self.0.disconnected(requester);
+        let n = self.locks.disconnected(requester);
         if n > 0 {
             tracing::debug!(requester = %requester, sessions = n, "rdma-emu: requester gone; its transfer locks are released");
+        }
+        let last = {
+            let mut open = self.open.lock();
+            let left = open.get_mut(requester).map(|c| {
+                *c -= 1;
+                *c
+            });
+            if left == Some(0) {
+                open.remove(requester);
+            }
+            left == Some(0)
+        };
+        if last {
+            if let Some(e) = self.engine.get().and_then(std::sync::Weak::upgrade) {
+                e.forget_requester(requester);
+            }
         }
     }
 }
@@ -411,7 +433,7 @@ struct Parts {
 }
 
 /// Builds the delegate over `nics` (or, `Err`, RDMA unavailable for that reason).
-fn assemble(p: Parts, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn PeerService>> {
+fn assemble(p: Parts, ctx: &RuntimeContext) -> anyhow::Result<Arc<RdmaPeer>> {
     let Parts {
         kind,
         config: c,
@@ -510,14 +532,14 @@ fn build_emu(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Pe
     } else {
         e.socket_dir.clone().into()
     };
-    let fabric = emu::FabricServer::start(
-        &dir,
-        nics.clone(),
-        Arc::new(LockPeers(locks.clone())),
-        c.max_connections,
-    )?;
+    let peers = Arc::new(LockPeers {
+        locks: locks.clone(),
+        engine: std::sync::OnceLock::new(),
+        open: parking_lot::Mutex::new(std::collections::HashMap::new()),
+    });
+    let fabric = emu::FabricServer::start(&dir, nics.clone(), peers.clone(), c.max_connections)?;
     let nics: Vec<Arc<dyn Nic>> = nics.into_iter().map(|n| n as Arc<dyn Nic>).collect();
-    assemble(
+    let peer = assemble(
         Parts {
             kind: "rdma-emu",
             config: c,
@@ -528,7 +550,11 @@ fn build_emu(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Pe
             metrics,
         },
         ctx,
-    )
+    )?;
+    if let Ok(engine) = &peer.engine {
+        let _ = peers.engine.set(Arc::downgrade(engine));
+    }
+    Ok(peer)
 }
 
 /// The options both kinds document.
@@ -597,6 +623,7 @@ fn build_verbs(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn 
         },
         ctx,
     )
+    .map(|p| p as Arc<dyn PeerService>)
 }
 
 #[cfg(feature = "ibverbs")]

@@ -44,6 +44,8 @@ use crate::verbs::{
 const WR_INDEX_BITS: u32 = 24;
 /// The index of a pull's drain markers.
 const MARKER: u64 = (1 << WR_INDEX_BITS) - 1;
+/// Queue pairs one offer may ask the holder to create, at most (16 NICs × 64).
+pub const MAX_OFFERED_QPS: usize = 1024;
 
 /// Settings of the data path.
 #[derive(Debug, Clone, Copy)]
@@ -356,6 +358,12 @@ impl Engine {
         if offer.kind != Kind::Offer {
             return Err(VerbsError::Device("expected an offer".into()));
         }
+        let offered: usize = offer.nics.iter().map(|n| n.qps.len()).sum();
+        if offered > MAX_OFFERED_QPS {
+            return Err(VerbsError::Device(format!(
+                "an offer of {offered} queue pairs (at most {MAX_OFFERED_QPS})"
+            )));
+        }
         let local = self
             .local
             .lock()
@@ -427,6 +435,12 @@ impl Engine {
             nics,
             links,
         })
+    }
+
+    /// Drops `requester`'s holder-side connection (its queue pairs), if any: the requester
+    /// is gone.
+    pub fn forget_requester(&self, requester: &str) -> bool {
+        self.holder_conns.lock().remove(requester).is_some()
     }
 
     fn conn(&self, endpoint: &str) -> Option<Arc<Conn>> {
