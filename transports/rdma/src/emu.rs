@@ -764,17 +764,20 @@ fn serve_conn(
             ));
         }
     }
+    // Counted before the requester can use the mapping (and lock anything through it).
+    let requester: Arc<str> = requester.into();
+    peers.connected(&requester);
     let fds = [mem.as_raw_fd()];
-    nix::sys::socket::sendmsg::<()>(
+    if let Err(e) = nix::sys::socket::sendmsg::<()>(
         s.as_raw_fd(),
         &[IoSlice::new(text.as_bytes())],
         &[nix::sys::socket::ControlMessage::ScmRights(&fds)],
         nix::sys::socket::MsgFlags::empty(),
         None,
-    )
-    .map_err(std::io::Error::from)?;
-    let requester: Arc<str> = requester.into();
-    peers.connected(&requester);
+    ) {
+        peers.disconnected(&requester);
+        return Err(e.into());
+    }
     s.set_read_timeout(None)?;
     // The connection lives until the requester closes it (or dies).
     let mut buf = [0u8; 64];

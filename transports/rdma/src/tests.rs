@@ -167,9 +167,9 @@ async fn a_pull_lands_byte_exact_over_several_nics_and_queue_pairs() {
     let holder = node("h", 1, 1, &settings(), 3);
     let req = node("r", 2, 2, &settings(), 100);
     let ep = connect(&req, &holder).await;
-    assert_eq!(
-        holder.peers.0.load(Ordering::SeqCst),
-        2,
+    // The holder counts a link once it has handed over its descriptor.
+    assert!(
+        until(|| holder.peers.0.load(Ordering::SeqCst) == 2).await,
         "one fabric link per requester NIC"
     );
     req.engine
@@ -318,7 +318,7 @@ async fn a_revoked_mapping_is_a_dead_peer() {
     assert!(until(|| m.draining_bytes.get() == 0).await);
 }
 
-/// The drain-before-free ordering: a READ that completes 400 ms late (its copy lands
+/// The drain-before-free ordering: a READ that completes 1 s late (its copy lands
 /// late too) after a 50 ms deadline. The pull returns at the deadline; the buffer is held
 /// until the late READ and the marker behind it complete, then freed; nothing leaks.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -330,7 +330,7 @@ async fn a_late_completion_after_the_deadline_is_drained_before_the_buffer_is_fr
         1,
         &EmuSettings {
             fault_late_after: 2,
-            fault_late_completion_ms: 400,
+            fault_late_completion_ms: 1000,
             ..settings()
         },
         0,
@@ -339,7 +339,7 @@ async fn a_late_completion_after_the_deadline_is_drained_before_the_buffer_is_fr
     let (e, rel, returned) = failing_pull(&req, &holder, 50).await;
     assert_eq!(e, PeerDataError::Timeout);
     assert!(
-        returned - t0 < Duration::from_millis(300),
+        returned - t0 < Duration::from_millis(700),
         "the pull returns by its deadline: {:?}",
         returned - t0
     );
@@ -352,7 +352,7 @@ async fn a_late_completion_after_the_deadline_is_drained_before_the_buffer_is_fr
     assert!(until(|| rel.0.lock().is_some()).await);
     let freed = rel.0.lock().unwrap();
     assert!(
-        freed - t0 >= Duration::from_millis(400),
+        freed - t0 >= Duration::from_millis(1000),
         "freed only after the late completion: {:?}",
         freed - t0
     );
@@ -372,7 +372,7 @@ async fn a_cancelled_pull_drains_before_freeing() {
         1,
         &EmuSettings {
             fault_late_after: 1,
-            fault_late_completion_ms: 200,
+            fault_late_completion_ms: 1000,
             ..settings()
         },
         0,
