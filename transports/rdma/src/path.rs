@@ -12,10 +12,10 @@
 //!   completions, which a **poller thread per NIC** routes to the pull by `wr_id`.
 //! - **Holder** ([`Engine::answer`]): pairs the offer's NICs with its own
 //!   ([`crate::codec::pair`]), creates and connects one queue pair per linked requester
-//!   queue pair, keyed by the requester's id (one connection per requester: a later
-//!   handshake replaces it, so a simultaneous mutual handshake is two independent
-//!   connections, never a collision of queue pair numbers), and answers its NICs with the
-//!   pool's regions and rkeys.
+//!   queue pair, keyed by the requester's id and the connection id it chose (never by queue
+//!   pair numbers: a simultaneous mutual handshake is two independent connections), keeps
+//!   each requester's newest [`CONNS_PER_PEER`], and answers its NICs with the pool's
+//!   regions and rkeys.
 //!
 //! Must never: let a destination be freed while a READ may still write into it. On any
 //! error completion, timeout or cancellation (the pull future dropped), every queue pair
@@ -46,6 +46,10 @@ const WR_INDEX_BITS: u32 = 24;
 const MARKER: u64 = (1 << WR_INDEX_BITS) - 1;
 /// Queue pairs one offer may ask the holder to create, at most (16 NICs × 64).
 pub const MAX_OFFERED_QPS: usize = 1024;
+/// Connections kept per peer (requester side) and per requester (holder side): a new
+/// handshake keeps the newest few, so concurrent fetches that handshake at the same moment
+/// do not cut each other's connection.
+pub const CONNS_PER_PEER: usize = 4;
 
 /// Settings of the data path.
 #[derive(Debug, Clone, Copy)]
@@ -188,6 +192,8 @@ struct Conn {
     /// The holder's regions per holder NIC, as its answer advertised them.
     holder_mrs: Vec<Vec<MrInfo>>,
     broken: AtomicBool,
+    /// Creation order (the oldest of a peer's go first).
+    seq: u64,
 }
 
 /// One holder-side connection (its queue pairs).
@@ -208,7 +214,9 @@ pub struct Engine {
     pending: Arc<Mutex<HashMap<u64, Entry>>>,
     next_pull: AtomicU64,
     conns: Mutex<HashMap<String, Arc<Conn>>>,
-    holder_conns: Mutex<HashMap<String, HolderConn>>,
+    /// By `(requester id, connection id)`.
+    holder_conns: Mutex<HashMap<(String, u64), HolderConn>>,
+    /// Creation order of connections, both roles.
     holder_seq: AtomicU64,
     /// The holder's fabric address (the emulator's socket), sent in answers.
     fabric: String,
@@ -422,10 +430,29 @@ impl Engine {
             .collect();
         let seq = self.holder_seq.fetch_add(1, Ordering::Relaxed);
         let mut hc = self.holder_conns.lock();
-        hc.insert(requester.to_owned(), HolderConn { _qps: qps, seq });
-        if hc.len() > self.limits.max_holder_connections {
-            if let Some(oldest) = hc.iter().min_by_key(|(_, c)| c.seq).map(|(k, _)| k.clone()) {
-                hc.remove(&oldest);
+        hc.insert(
+            (requester.to_owned(), offer.conn_id),
+            HolderConn { _qps: qps, seq },
+        );
+        // The requester's oldest beyond CONNS_PER_PEER, then the oldest of all beyond
+        // max_connections.
+        loop {
+            let mine = hc.keys().filter(|(r, _)| r == requester).count();
+            let victim = if mine > CONNS_PER_PEER {
+                hc.iter()
+                    .filter(|((r, _), _)| r == requester)
+                    .min_by_key(|(_, c)| c.seq)
+                    .map(|(k, _)| k.clone())
+            } else if hc.len() > self.limits.max_holder_connections {
+                hc.iter().min_by_key(|(_, c)| c.seq).map(|(k, _)| k.clone())
+            } else {
+                None
+            };
+            match victim {
+                Some(k) => {
+                    hc.remove(&k);
+                }
+                None => break,
             }
         }
         Ok(Meta {
@@ -437,10 +464,13 @@ impl Engine {
         })
     }
 
-    /// Drops `requester`'s holder-side connection (its queue pairs), if any: the requester
-    /// is gone.
-    pub fn forget_requester(&self, requester: &str) -> bool {
-        self.holder_conns.lock().remove(requester).is_some()
+    /// Drops `requester`'s holder-side connections (their queue pairs): the requester is
+    /// gone. Returns how many there were.
+    pub fn forget_requester(&self, requester: &str) -> usize {
+        let mut hc = self.holder_conns.lock();
+        let before = hc.len();
+        hc.retain(|(r, _), _| r != requester);
+        before - hc.len()
     }
 
     fn conn(&self, endpoint: &str) -> Option<Arc<Conn>> {
@@ -832,11 +862,23 @@ impl Handshake for Engine {
             qps,
             holder_mrs,
             broken: AtomicBool::new(false),
+            seq: self.holder_seq.fetch_add(1, Ordering::Relaxed),
         });
         let endpoint = format!("{node}#{conn_id:016x}");
         let mut conns = self.conns.lock();
-        conns.retain(|k, _| k.rsplit_once('#').map(|(n, _)| n) != Some(node));
         conns.insert(endpoint.clone(), conn);
+        // Keep this peer's newest few (a concurrent fetch may be about to use another).
+        let mut mine: Vec<(String, u64)> = conns
+            .iter()
+            .filter(|(k, _)| k.rsplit_once('#').map(|(n, _)| n) == Some(node))
+            .map(|(k, c)| (k.clone(), c.seq))
+            .collect();
+        if mine.len() > CONNS_PER_PEER {
+            mine.sort_by_key(|(_, seq)| *seq);
+            for (k, _) in &mine[..mine.len() - CONNS_PER_PEER] {
+                conns.remove(k);
+            }
+        }
         Ok(endpoint)
     }
 

@@ -432,6 +432,28 @@ async fn simultaneous_mutual_handshakes_are_independent() {
     assert_eq!(&b.mem[512 << 10..][..8192], &a.mem[..8192]);
 }
 
+/// Two fetches from one requester handshaking with one holder at the same moment: both
+/// connections stay usable (neither replaces the other).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_handshakes_to_one_holder_keep_both_connections() {
+    let holder = node("h", 1, 1, &settings(), 5);
+    let req = node("r", 1, 1, &settings(), 6);
+    let (e1, e2) = tokio::join!(connect(&req, &holder), connect(&req, &holder));
+    assert_ne!(e1, e2);
+    for (i, ep) in [e1, e2].iter().enumerate() {
+        let (d, _) = dest(&req, i * 8192, 8192);
+        let r = read(&d, &holder, 8192 * (i + 1), 8192);
+        req.engine
+            .pull(ep, "s", vec![r], Instant::now() + Duration::from_secs(5))
+            .await
+            .unwrap();
+        assert_eq!(
+            &req.mem[i * 8192..][..8192],
+            &holder.mem[8192 * (i + 1)..][..8192]
+        );
+    }
+}
+
 /// The emulated queue pair follows the verbs state machine: no post before RTS, an
 /// errored queue pair flushes in order.
 #[test]
