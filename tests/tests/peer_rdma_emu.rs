@@ -9,6 +9,7 @@
 //!   the fetch fails, both servers keep serving, and nothing leaks: the source's locks,
 //!   the requester's draining buffers and pool bytes, both processes' descriptors;
 //!   after the late completion the next fetch lands;
+//! - the source's lock ending during a one-sided pull: the bytes are dropped (lock_lost);
 //! - the requester killed with READs in flight: the source's locks and queue pairs go at
 //!   once (its fabric sockets close);
 //! - two nodes fetching from each other at the same moment (simultaneous mutual
@@ -255,6 +256,57 @@ async fn a_requester_killed_mid_transfer_frees_the_sources_locks_at_once() {
     let s = settle(&mut wa, &hs, "after", Duration::from_secs(5)).await;
     assert_eq!(s.hits, 16);
     load_exact(&mut wa, &s.lease, 20, &hs).await;
+}
+
+/// The source's lease ends while the one-sided READs still run (one completes 1 s late,
+/// the lease is 300 ms): the requester's confirmed release finds the lock gone and drops
+/// the bytes (they may have been freed and reused under the reads); nothing is indexed.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_lock_that_ends_during_a_one_sided_pull_drops_the_bytes() {
+    let Some(env) = env("a_lock_that_ends_during_a_one_sided_pull_drops_the_bytes") else {
+        return;
+    };
+    let a = Node::start(
+        &env.bin,
+        "source",
+        &env.opts("emu-lease", "lock_lease_ms = 300", ""),
+    );
+    let ob = env.opts(
+        "emu-lease",
+        "fetch_timeout_ms = 8000",
+        "fault_late_after = 2\nfault_late_completion_ms = 1000",
+    );
+    let b = Node::start(
+        &env.bin,
+        "requester",
+        &NodeOpts {
+            promote_deadline_ms: 8000,
+            ..ob
+        },
+    );
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let hs = hashes("emu-lease", 8);
+    save(&mut wa, 0, &hs).await;
+    tokio::time::sleep(Duration::from_millis(500)).await;
+    let s = settle(&mut wb, &hs, "late", Duration::from_secs(10)).await;
+    assert!(s.loading > 0, "a fetch was tried");
+    assert_eq!(s.hits, 0, "the bytes of a lost lock are not kept");
+    assert_eq!(
+        b.metric(
+            "pegaflow_peer_fetch_failures_total",
+            &[("reason", "lock_lost")]
+        ),
+        1.0
+    );
+    assert_eq!(
+        a.metric(
+            "pegaflow_transfer_lock_releases_total",
+            &[("reason", "expired")]
+        ),
+        1.0
+    );
+    assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 0.0);
 }
 
 /// One fault case: the requester's fetch from the source fails (or, `late`, times out);
