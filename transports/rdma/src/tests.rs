@@ -432,6 +432,49 @@ async fn simultaneous_mutual_handshakes_are_independent() {
     assert_eq!(&b.mem[512 << 10..][..8192], &a.mem[..8192]);
 }
 
+/// InfiniBand addressing (LIDs) works like RoCE's (GIDs); a requester whose NICs share no
+/// link layer with the holder's is refused at the handshake, before anything is locked.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn infiniband_lids_work_and_link_layers_must_match() {
+    let ib = EmuSettings {
+        link: "ib".into(),
+        ..settings()
+    };
+    let holder = node("h", 1, 1, &ib, 7);
+    let req = node("r", 1, 2, &ib, 8);
+    let ep = connect(&req, &holder).await;
+    let (d, _) = dest(&req, 0, 8192);
+    req.engine
+        .pull(
+            &ep,
+            "s",
+            vec![read(&d, &holder, 4096, 8192)],
+            Instant::now() + Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(&req.mem[..8192], &holder.mem[4096..][..8192]);
+
+    let roce = node("x", 1, 1, &settings(), 9);
+    let mut rpc = Direct {
+        holder: &holder.engine,
+        requester: roce.id.clone(),
+    };
+    let e = roce
+        .engine
+        .handshake(
+            "holder:1",
+            &mut rpc,
+            Instant::now() + Duration::from_secs(5),
+        )
+        .await
+        .unwrap_err();
+    assert!(
+        matches!(&e, pegaflow_transport_tcp::fetch::HandshakeError::Refused(m) if m.contains("paired none")),
+        "{e:?}"
+    );
+}
+
 /// Two fetches from one requester handshaking with one holder at the same moment: both
 /// connections stay usable (neither replaces the other).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
