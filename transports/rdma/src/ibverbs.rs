@@ -153,6 +153,7 @@ const PA_LINK_LAYER: usize = 46;
 // `struct ibv_device_attr` (232 bytes).
 const DA_SIZE: usize = 232;
 const DA_MAX_QP_WR: usize = 112;
+const DA_MAX_CQE: usize = 132;
 const DA_MAX_MR_SIZE: usize = 80;
 const DA_MAX_QP_RD_ATOM: usize = 144;
 const DA_MAX_QP_INIT_RD_ATOM: usize = 156;
@@ -369,8 +370,11 @@ fn open_one(
         if pd.is_null() {
             return Err(errno(&format!("ibv_alloc_pd {name}")));
         }
-        let max_qp_wr = rd::<i32>(&da, DA_MAX_QP_WR).clamp(16, 1 << 15) as u32;
-        let cq = (l.create_cq)(ctx, 65_536, std::ptr::null_mut(), std::ptr::null_mut(), 0);
+        // A send queue of at most 4096 WRs per queue pair (what one pull may post on it),
+        // and a completion queue of at most 64 Ki entries, within what the device allows.
+        let max_qp_wr = rd::<i32>(&da, DA_MAX_QP_WR).clamp(16, 4096) as u32;
+        let cqe = rd::<i32>(&da, DA_MAX_CQE).clamp(256, 65_536);
+        let cq = (l.create_cq)(ctx, cqe, std::ptr::null_mut(), std::ptr::null_mut(), 0);
         if cq.is_null() {
             return Err(errno(&format!("ibv_create_cq {name}")));
         }
