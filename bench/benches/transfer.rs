@@ -15,6 +15,12 @@
 //! the time to decode the Save request (`decode::save` of the wire message, outside the
 //! engine). Set `PF_BENCH_PHASES_ONLY=1` to skip the criterion groups and print only those.
 //!
+//! The layout can be changed for the phase breakdown: `PF_BENCH_LAYERS` (default 1) layers per
+//! block, `PF_BENCH_SIZES` (comma-separated bytes per layer per block, default the sizes
+//! above) and `PF_BENCH_BATCH` (bytes per Save and Load, default 32 MiB); the pool is at least
+//! four batches. `PF_BENCH_LAYERS=32 PF_BENCH_SIZES=65536 PF_BENCH_BATCH=536870912` is the GPU
+//! bench's Llama-3.1-8B layout in its 256-block Saves (2 MiB blocks), on the host path.
+//!
 //! Run: `cargo bench -p pegaflow-bench --bench transfer`.
 
 mod common;
@@ -49,7 +55,13 @@ fn phase_snapshot(m: &Metrics) -> Vec<(f64, u64)> {
 }
 
 /// Prints the mean time per RPC of each phase between two snapshots, in µs.
-fn print_phases(size: usize, before: &[(f64, u64)], after: &[(f64, u64)], decode_us: f64) {
+fn print_phases(
+    what: &str,
+    before: &[(f64, u64)],
+    after: &[(f64, u64)],
+    decode_us: f64,
+    batch: usize,
+) {
     let mean = |i: usize| {
         let n = after[i].1 - before[i].1;
         (after[i].0 - before[i].0) / n.max(1) as f64 * 1e6
@@ -65,24 +77,51 @@ fn print_phases(size: usize, before: &[(f64, u64)], after: &[(f64, u64)], decode
         .enumerate()
         .map(|(i, p)| format!("{} {:.0}", p.label(), mean(ns + i)))
         .collect();
+    let per = label(batch);
     println!(
-        "phases save {}: decode {decode_us:.0}, {} (µs per 32 MiB Save)",
-        label(size),
+        "phases save {what}: decode {decode_us:.0}, {} (µs per {per} Save)",
         save.join(", ")
     );
     println!(
-        "phases load {}: {} (µs per 32 MiB Load)",
-        label(size),
+        "phases load {what}: {} (µs per {per} Load)",
         load.join(", ")
     );
+}
+
+/// `name` parsed from the environment, or `default`.
+fn env_or<T: std::str::FromStr>(name: &str, default: T) -> T {
+    match std::env::var(name) {
+        Ok(v) => v
+            .parse()
+            .unwrap_or_else(|_| panic!("{name}={v:?} is not a number")),
+        Err(_) => default,
+    }
 }
 
 fn transfer_benches(c: &mut Criterion) {
     let rt = runtime();
     let phases_only = std::env::var_os("PF_BENCH_PHASES_ONLY").is_some();
-    for &size in &SIZES {
-        let n = BATCH / size;
-        let fx = rt.block_on(Fixture::new(POOL, 1, 2 * n, size / 2));
+    let layers: usize = env_or("PF_BENCH_LAYERS", 1);
+    let batch: usize = env_or("PF_BENCH_BATCH", BATCH);
+    let sizes: Vec<usize> = match std::env::var("PF_BENCH_SIZES") {
+        Ok(v) => v
+            .split(',')
+            .map(|x| {
+                x.trim()
+                    .parse()
+                    .expect("PF_BENCH_SIZES: bytes, comma-separated")
+            })
+            .collect(),
+        Err(_) => SIZES.to_vec(),
+    };
+    let pool = POOL.max(4 * batch as u64);
+    for &size in &sizes {
+        let n = batch / (size * layers);
+        assert!(
+            n > 0,
+            "a batch of {batch} bytes holds no block of {layers} x {size} bytes"
+        );
+        let fx = rt.block_on(Fixture::new(pool, layers, 2 * n, size / 2));
         let ids: Vec<u32> = (0..n as u32).collect();
         let mut next = 0u64;
         let mut fresh = |k: usize| -> Vec<Vec<u8>> {
@@ -91,14 +130,14 @@ fn transfer_benches(c: &mut Criterion) {
             v
         };
         // Fill the pool once (pages committed, eviction from here on).
-        for _ in 0..(POOL as usize / BATCH + 1) {
+        for _ in 0..(pool as usize / batch + 1) {
             let h = fresh(n);
             rt.block_on(fx.engine().save(fx.save_request(&ids, &h)))
                 .expect("save");
         }
         let mut client = fx.client.clone();
         let mut g = c.benchmark_group("save");
-        g.throughput(Throughput::Bytes(BATCH as u64));
+        g.throughput(Throughput::Bytes(batch as u64));
         if !phases_only {
             g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
                 b.iter_custom(|iters| {
@@ -135,7 +174,7 @@ fn transfer_benches(c: &mut Criterion) {
             .expect("save");
         let targets: Vec<u32> = (n as u32..2 * n as u32).collect();
         let mut g = c.benchmark_group("load");
-        g.throughput(Throughput::Bytes(BATCH as u64));
+        g.throughput(Throughput::Bytes(batch as u64));
         if !phases_only {
             g.bench_function(BenchmarkId::new("grpc", label(size)), |b| {
                 b.iter_custom(|iters| {
@@ -186,11 +225,13 @@ fn transfer_benches(c: &mut Criterion) {
                 tp_rank: 0,
                 pp_rank: 0,
                 device_id: 0,
-                saves: vec![pegaflow_proto::SaveLayer {
-                    layer_name: pegaflow_bench::server::layer_name(0),
-                    block_ids: ids.clone(),
-                    block_hashes: h,
-                }],
+                saves: (0..layers)
+                    .map(|l| pegaflow_proto::SaveLayer {
+                        layer_name: pegaflow_bench::server::layer_name(l),
+                        block_ids: ids.clone(),
+                        block_hashes: h.clone(),
+                    })
+                    .collect(),
             };
             let t = Instant::now();
             let req = pegaflow_runtime::decode::save(wire).expect("a well-formed save");
@@ -205,16 +246,27 @@ fn transfer_benches(c: &mut Criterion) {
             rt.block_on(fx.engine().load(req)).expect("load");
         }
         let after = phase_snapshot(&m);
-        print_phases(size, &before, &after, decode.as_secs_f64() / 20.0 * 1e6);
+        let what = if layers == 1 {
+            label(size)
+        } else {
+            format!("{layers} layers x {}", label(size))
+        };
+        print_phases(
+            &what,
+            &before,
+            &after,
+            decode.as_secs_f64() / 20.0 * 1e6,
+            batch,
+        );
         rt.block_on(fx.server.shutdown());
         if phases_only {
             continue;
         }
 
-        let src = vec![0x5Au8; BATCH];
-        let mut dst = vec![0u8; BATCH];
+        let src = vec![0x5Au8; batch];
+        let mut dst = vec![0u8; batch];
         let mut g = c.benchmark_group("memcpy");
-        g.throughput(Throughput::Bytes(BATCH as u64));
+        g.throughput(Throughput::Bytes(batch as u64));
         g.bench_function(BenchmarkId::new("plain", label(size)), |b| {
             b.iter(|| {
                 for (d, s) in dst.chunks_exact_mut(size).zip(src.chunks_exact(size)) {
