@@ -674,7 +674,20 @@ impl FabricServer {
         max_connections: usize,
     ) -> anyhow::Result<Self> {
         let id = uuid::Uuid::new_v4().simple().to_string();
-        let path = dir.join(format!("pf-rdma-{}.sock", &id[..12]));
+        // The socket hands out a descriptor of this process's memory: it lives in a fresh
+        // directory only this user can enter, is itself 0600, and every connection's peer
+        // credentials must be this user's.
+        let private = dir.join(format!("pf-rdma-{}", &id[..12]));
+        {
+            use std::os::unix::fs::DirBuilderExt;
+            std::fs::DirBuilder::new()
+                .mode(0o700)
+                .create(&private)
+                .map_err(|e| {
+                    anyhow::anyhow!("rdma-emu: cannot create {}: {e}", private.display())
+                })?;
+        }
+        let path = private.join("fabric.sock");
         let listener = UnixListener::bind(&path)
             .map_err(|e| {
                 anyhow::anyhow!(
@@ -683,6 +696,10 @@ impl FabricServer {
                     path.as_os_str().len()
                 )
             })?;
+        {
+            use std::os::unix::fs::PermissionsExt;
+            std::fs::set_permissions(&path, std::fs::Permissions::from_mode(0o600))?;
+        }
         let mem = std::fs::File::open("/proc/self/mem")
             .map_err(|e| anyhow::anyhow!("rdma-emu: cannot open /proc/self/mem: {e}"))?;
         let mem: OwnedFd = mem.into();
@@ -697,6 +714,12 @@ impl FabricServer {
                         return;
                     }
                     let Ok(s) = s else { continue };
+                    if !same_user(&s) {
+                        tracing::warn!(
+                            "rdma-emu: refused a fabric connection from another user (or of unknown credentials)"
+                        );
+                        continue;
+                    }
                     if open.load(Ordering::Acquire) as usize >= max_connections {
                         continue;
                     }
@@ -727,7 +750,17 @@ impl Drop for FabricServer {
         self.stop.store(true, Ordering::Release);
         let _ = UnixStream::connect(&self.path);
         let _ = std::fs::remove_file(&self.path);
+        if let Some(d) = self.path.parent() {
+            let _ = std::fs::remove_dir(d);
+        }
     }
+}
+
+/// Whether the peer of `s` runs as this process's effective user (`SO_PEERCRED`).
+fn same_user(s: &UnixStream) -> bool {
+    nix::sys::socket::getsockopt(s, nix::sys::socket::sockopt::PeerCredentials)
+        // SAFETY: geteuid has no preconditions.
+        .is_ok_and(|c| c.uid() == unsafe { libc::geteuid() })
 }
 
 fn serve_conn(

@@ -538,6 +538,10 @@ fn build_emu(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Pe
         open: parking_lot::Mutex::new(std::collections::HashMap::new()),
     });
     let fabric = emu::FabricServer::start(&dir, nics.clone(), peers.clone(), c.max_connections)?;
+    tracing::warn!(
+        socket = %fabric.path().display(),
+        "rdma-emu is a test transport: a process of this user that reaches its socket can read this server's memory; use kind = \"rdma\" or \"tcp\" between real nodes"
+    );
     let nics: Vec<Arc<dyn Nic>> = nics.into_iter().map(|n| n as Arc<dyn Nic>).collect();
     let peer = assemble(
         Parts {

@@ -491,7 +491,11 @@ impl Engine {
             .map(|m| m.lkey)
     }
 
-    /// The READs of `reads` per queue pair of `conn`, `wr_id`s under pull `pull`.
+    /// The READs of `reads` per queue pair of `conn`, `wr_id`s under pull `pull`. Ranges
+    /// contiguous on both sides (a block's K and V slots, consecutive slots of one holder
+    /// buffer landing in one local buffer) are coalesced into one READ of up to
+    /// `max_wr_bytes` while they stay inside one registered region on each side, so a block
+    /// of many layers costs about `block bytes / max_wr_bytes` READs, not one per range.
     fn plan(
         &self,
         conn: &Conn,
@@ -499,9 +503,21 @@ impl Engine {
         reads: &[PeerRead],
     ) -> Result<(Vec<Vec<ReadWr>>, usize), PeerDataError> {
         let n = conn.qps.len();
-        let mut per_qp: Vec<Vec<ReadWr>> = vec![Vec::new(); n];
-        let mut next = 0usize;
-        let mut index = 0u64;
+        let max = self.limits.max_wr_bytes;
+        // Every NIC registers the same regions (the pool), so one NIC's tables decide
+        // whether a coalesced range stays inside one region.
+        let (lnic0, hnic0, _) = conn.qps[0];
+        let local_region = |addr: u64, len: u64| self.lkey(lnic0, addr, len).is_some();
+        let holder_region = |addr: u64, len: u64| {
+            conn.holder_mrs[hnic0].iter().any(|m| {
+                addr >= m.addr
+                    && addr
+                        .checked_add(len)
+                        .is_some_and(|e| e <= m.addr.saturating_add(m.len))
+            })
+        };
+        // (local addr, remote addr, len), in pull order.
+        let mut segs: Vec<(u64, u64, u64)> = Vec::new();
         for r in reads {
             let mut off = r.dest_offset;
             for rr in &r.ranges {
@@ -510,44 +526,21 @@ impl Engine {
                     let mut laddr = piece.addr as u64;
                     let mut left = piece.len as u64;
                     while left > 0 {
-                        let len = left.min(self.limits.max_wr_bytes);
-                        let q = next % n;
-                        next += 1;
-                        let (lnic, hnic, _) = &conn.qps[q];
-                        let lkey = self.lkey(*lnic, laddr, len).ok_or_else(|| {
-                            PeerDataError::Refused(
-                                "a destination outside this node's registered pool".into(),
-                            )
-                        })?;
-                        let rkey = conn.holder_mrs[*hnic]
-                            .iter()
-                            .find(|m| {
-                                raddr >= m.addr
-                                    && raddr
-                                        .checked_add(len)
-                                        .is_some_and(|e| e <= m.addr.saturating_add(m.len))
-                            })
-                            .map(|m| m.rkey)
-                            .ok_or_else(|| {
-                                PeerDataError::Refused(format!(
-                                    "range {raddr:#x}+{len} outside the holder's registered regions"
-                                ))
-                            })?;
-                        index += 1;
-                        if index >= MARKER {
-                            return Err(PeerDataError::Refused(
-                                "too many READs in one pull".into(),
-                            ));
+                        if let Some(last) = segs.last_mut() {
+                            let (l0, r0, n0) = *last;
+                            if l0 + n0 == laddr && r0 + n0 == raddr && n0 < max {
+                                let add = left.min(max - n0);
+                                if local_region(l0, n0 + add) && holder_region(r0, n0 + add) {
+                                    last.2 += add;
+                                    laddr += add;
+                                    raddr += add;
+                                    left -= add;
+                                    continue;
+                                }
+                            }
                         }
-                        per_qp[q].push(ReadWr {
-                            wr_id: pull << WR_INDEX_BITS | index,
-                            local_addr: laddr,
-                            lkey,
-                            remote_addr: raddr,
-                            rkey,
-                            len: len as u32,
-                            signaled: false,
-                        });
+                        let len = left.min(max);
+                        segs.push((laddr, raddr, len));
                         laddr += len;
                         raddr += len;
                         left -= len;
@@ -555,6 +548,40 @@ impl Engine {
                 }
                 off += rr.len as usize;
             }
+        }
+        if segs.len() as u64 >= MARKER {
+            return Err(PeerDataError::Refused("too many READs in one pull".into()));
+        }
+        let mut per_qp: Vec<Vec<ReadWr>> = vec![Vec::with_capacity(segs.len() / n + 1); n];
+        for (k, &(laddr, raddr, len)) in segs.iter().enumerate() {
+            let q = k % n;
+            let (lnic, hnic, _) = &conn.qps[q];
+            let lkey = self.lkey(*lnic, laddr, len).ok_or_else(|| {
+                PeerDataError::Refused("a destination outside this node's registered pool".into())
+            })?;
+            let rkey = conn.holder_mrs[*hnic]
+                .iter()
+                .find(|m| {
+                    raddr >= m.addr
+                        && raddr
+                            .checked_add(len)
+                            .is_some_and(|e| e <= m.addr.saturating_add(m.len))
+                })
+                .map(|m| m.rkey)
+                .ok_or_else(|| {
+                    PeerDataError::Refused(format!(
+                        "range {raddr:#x}+{len} outside the holder's registered regions"
+                    ))
+                })?;
+            per_qp[q].push(ReadWr {
+                wr_id: pull << WR_INDEX_BITS | (k as u64 + 1),
+                local_addr: laddr,
+                lkey,
+                remote_addr: raddr,
+                rkey,
+                len: len as u32,
+                signaled: false,
+            });
         }
         let mut signalled = 0;
         for (q, wrs) in per_qp.iter_mut().enumerate() {

@@ -567,3 +567,113 @@ fn settings_are_checked_and_documented() {
     let t: toml::Table = toml::from_str("[emu]\nlink = \"ib\"\nfault_wrong_rkey = true").unwrap();
     assert!((f.config.check)("p", &t).is_ok());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn ranges_contiguous_on_both_sides_are_coalesced_into_few_reads() {
+    let holder = node("h", 1, 1, &settings(), 7);
+    let req = node("r", 1, 2, &settings(), 200);
+    let ep = connect(&req, &holder).await;
+    req.engine
+        .connect(&ep, Instant::now() + Duration::from_secs(1))
+        .await
+        .unwrap();
+    // 64 KiB in 64 ranges of 1 KiB, contiguous in the holder and landing contiguously here
+    // (a block's per-layer slots): 16 READs of max_wr_bytes (4 KiB), not 64.
+    let (d, _) = dest(&req, 0, 64 << 10);
+    let base = holder.mem.as_ptr() as u64 + 8192;
+    let contiguous = PeerRead {
+        dest: d.clone(),
+        dest_offset: 0,
+        ranges: (0..64)
+            .map(|i| RemoteRange {
+                addr: base + i * 1024,
+                len: 1024,
+            })
+            .collect(),
+    };
+    // Two ranges that are not adjacent in the holder stay two READs.
+    let (d2, _) = dest(&req, 128 << 10, 2048);
+    let apart = PeerRead {
+        dest: d2,
+        dest_offset: 0,
+        ranges: vec![
+            RemoteRange {
+                addr: base + (200 << 10),
+                len: 1024,
+            },
+            RemoteRange {
+                addr: base + (300 << 10),
+                len: 1024,
+            },
+        ],
+    };
+    req.engine
+        .pull(
+            &ep,
+            "s",
+            vec![contiguous, apart],
+            Instant::now() + Duration::from_secs(5),
+        )
+        .await
+        .unwrap();
+    assert_eq!(&req.mem[..64 << 10], &holder.mem[8192..8192 + (64 << 10)]);
+    let off = 8192 + (200 << 10);
+    assert_eq!(
+        &req.mem[128 << 10..(128 << 10) + 1024],
+        &holder.mem[off..off + 1024]
+    );
+    let off = 8192 + (300 << 10);
+    assert_eq!(
+        &req.mem[(128 << 10) + 1024..(128 << 10) + 2048],
+        &holder.mem[off..off + 1024]
+    );
+    assert_eq!(req.engine.metrics().wrs_posted.get(), 16 + 2);
+}
+
+#[test]
+fn another_user_cannot_reach_the_fabric_socket() {
+    // SAFETY: geteuid has no preconditions.
+    if unsafe { libc::geteuid() } != 0 {
+        eprintln!("SKIP: running a process as another user needs root");
+        return;
+    }
+    use std::os::unix::fs::PermissionsExt;
+    use std::os::unix::process::CommandExt;
+    // A world-readable parent, as /tmp is: only the fabric's own directory protects it.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::set_permissions(dir.path(), std::fs::Permissions::from_mode(0o755)).unwrap();
+    let f = FabricServer::start(dir.path(), Vec::new(), Arc::new(Peers::default()), 4).unwrap();
+    let mode = |p: &std::path::Path| std::fs::metadata(p).unwrap().permissions().mode() & 0o777;
+    assert_eq!(mode(f.path()), 0o600);
+    assert_eq!(mode(f.path().parent().unwrap()), 0o700);
+    let probe = "import socket, sys\n\
+                 s = socket.socket(socket.AF_UNIX)\n\
+                 try:\n    s.connect(sys.argv[1]); print('connected')\n\
+                 except OSError as e:\n    print('refused', e.errno)\n";
+    let out = match std::process::Command::new("python3")
+        .arg("-c")
+        .arg(probe)
+        .arg(f.path())
+        .uid(65534)
+        .gid(65534)
+        .output()
+    {
+        Ok(o) => o,
+        Err(e) => {
+            eprintln!("SKIP: cannot run python3 as nobody: {e}");
+            return;
+        }
+    };
+    let said = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        said.starts_with("refused"),
+        "another user reached the socket: {said} {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let path = f.path().to_path_buf();
+    drop(f);
+    assert!(
+        !path.exists() && !path.parent().unwrap().exists(),
+        "socket and directory removed"
+    );
+}

@@ -493,9 +493,6 @@ impl Fetcher {
             // The holder saw none of the reads: its lease was not renewed by them. The bytes
             // are the holder's only if the lock outlived the pull (else the blocks may have
             // been freed and reused under the reads).
-            if let Some(g) = guard.as_mut() {
-                g.session = None;
-            }
             let locked = answer.blocks.len() as u64;
             let released = client
                 .release_transfer_lock(pb::ReleaseTransferLockRequest {
@@ -505,6 +502,11 @@ impl Fetcher {
                 .map_err(|e| rpc_failure("lock_lost", e))?
                 .into_inner()
                 .released_blocks;
+            // Released: the guard has nothing left to do. Until here (the call failed or this
+            // future was dropped), dropping the guard still sends the release.
+            if let Some(g) = guard.as_mut() {
+                g.session = None;
+            }
             if released < locked {
                 return Err(Failure::suspect(
                     "lock_lost",
