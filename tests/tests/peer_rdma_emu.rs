@@ -55,8 +55,15 @@ fn env(test: &str) -> Option<Env> {
 
 impl Env {
     /// Options of a node whose `[peer]` is the emulator with `peer` settings and `emu`
-    /// (the `[peer.emu]` table's lines).
+    /// (the `[peer.emu]` table's lines). Unless `peer` sets it, READs are at most 4 KiB
+    /// (`max_wr_bytes`): these small blocks then take many READs even after coalescing, so
+    /// signalling and the faults armed at the n-th operation are exercised.
     fn opts(&self, prefix: &str, peer: &str, emu: &str) -> NodeOpts {
+        let peer = if peer.contains("max_wr_bytes") {
+            peer.to_string()
+        } else {
+            format!("max_wr_bytes = 4096\n{peer}")
+        };
         NodeOpts {
             directory: Some((self.redis.url(), format!("pf:{prefix}:"))),
             peer: None,
@@ -493,7 +500,7 @@ async fn rdma_emu_fetch_throughput() {
     let Some(env) = env("rdma_emu_fetch_throughput") else {
         return;
     };
-    let mut o = env.opts("emu-throughput", "", "");
+    let mut o = env.opts("emu-throughput", "max_wr_bytes = 1048576", "");
     o.pool_bytes = 640 << 20;
     o.promote_deadline_ms = 30_000;
     let a = Node::start(&env.bin, "source", &o);
@@ -502,7 +509,7 @@ async fn rdma_emu_fetch_throughput() {
         let ob = env.opts(
             "emu-throughput",
             &format!(
-                "nics = [{}]\nqps_per_peer = {qps}\nfetch_timeout_ms = 20000",
+                "nics = [{}]\nqps_per_peer = {qps}\nfetch_timeout_ms = 20000\nmax_wr_bytes = 1048576",
                 names.join(", ")
             ),
             "",
