@@ -141,5 +141,7 @@ def test_a_block_saved_on_one_node_loads_byte_exact_on_another(kind, request, fr
     else:
         # One-sided: the holder's CPU served nothing; the requester posted the READs and
         # released the lock only once they had all landed.
-        assert pftest.metric_value(mb, "pegaflow_rdma_wrs_posted_total") >= 8
+        # Contiguous ranges are coalesced: 8 small blocks laid out back to back take from
+        # one READ up to one per block.
+        assert 1 <= pftest.metric_value(mb, "pegaflow_rdma_wrs_posted_total") <= 8
         assert pftest.metric_value(mb, "pegaflow_rdma_draining_bytes") == 0
