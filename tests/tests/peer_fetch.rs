@@ -637,8 +637,10 @@ async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
 /// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) between two processes on
 /// loopback, by hand: `cargo build --release --bin pegaflow-server`, then
 /// `PEGAFLOW_SERVER_BIN=target/release/pegaflow-server cargo test -p pegaflow-tests --test
-/// peer_fetch -- --ignored --nocapture peer_fetch_throughput`. Prints GB/s (docs/BENCHMARKS.md);
-/// asserts only that the bytes are exact.
+/// peer_fetch -- --ignored --nocapture peer_fetch_throughput`. Prints GB/s (docs/BENCHMARKS.md)
+/// for 1, 2, 4 and 8 connections, a plain loopback socket copy of the same bytes in the same
+/// run, and the latency a remote hit of 64 blocks adds to QueryPrefetch → Ready against a local
+/// hit; asserts only that the bytes are exact.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement, run by hand with the release server"]
 async fn peer_fetch_throughput() {
@@ -654,7 +656,13 @@ async fn peer_fetch_throughput() {
     o.pool_bytes = 640 << 20;
     o.promote_deadline_ms = 30_000;
     let a = Node::start(&env.bin, "source", &o);
-    for conns in [1usize, 4, 8] {
+    let bytes = 256.0 * (SHAPE.layers * 2 * SHAPE.segment_bytes) as f64;
+    let plain = plain_socket_copy(bytes as usize);
+    println!(
+        "plain loopback socket copy: 512 MiB in {plain:?} ({:.2} GB/s)",
+        bytes / plain.as_secs_f64() / 1e9
+    );
+    for conns in [1usize, 2, 4, 8] {
         let mut ob = o.clone();
         ob.peer = Some(format!(
             "connections_per_peer = {conns}\nfetch_timeout_ms = 20000"
@@ -667,7 +675,6 @@ async fn peer_fetch_throughput() {
         wait_listed(&env, "throughput", &a, &hs).await;
         let s = settle(&mut wb, &hs, "throughput", Duration::from_secs(30)).await;
         assert_eq!(s.hits, 256);
-        let bytes = 256.0 * (SHAPE.layers * 2 * SHAPE.segment_bytes) as f64;
         let fetch = b.metric("pegaflow_peer_fetch_duration_seconds_sum", &[]);
         println!(
             "connections_per_peer = {conns}: 512 MiB in {:?} from the first query to Ready ({:.2} GB/s); fetch itself {:.3} s ({:.2} GB/s)",
@@ -677,5 +684,90 @@ async fn peer_fetch_throughput() {
             bytes / fetch / 1e9
         );
         load_exact(&mut wb, &s.lease, 0, &hs).await;
+        if conns == 1 {
+            remote_hit_latency(&env, &mut wa, &mut wb, &a).await;
+        }
     }
+}
+
+/// QueryPrefetch → Ready of 64 blocks of 2 MiB that only the source holds (the requester
+/// fetches them), against the same query answered from the source's own DRAM; five fresh
+/// runs each, polled every 200 µs.
+async fn remote_hit_latency(
+    env: &Env,
+    wa: &mut pegaflow_tests::harness::Worker,
+    wb: &mut pegaflow_tests::harness::Worker,
+    a: &Node,
+) {
+    let mut remote = Vec::new();
+    let mut local = Vec::new();
+    for run in 0..5 {
+        let hs = hashes(&format!("latency-{run}"), 64);
+        save(wa, 0, &hs).await;
+        wait_listed(env, "throughput", a, &hs).await;
+        let t0 = Instant::now();
+        loop {
+            match wb
+                .client
+                .query(&wb.instance_id, hs.clone(), &format!("lat-{run}"))
+                .await
+                .expect("query")
+            {
+                pegaflow_api::client::QueryOutcome::Ready {
+                    num_hit_blocks: 64,
+                    lease,
+                    ..
+                } => {
+                    remote.push(t0.elapsed());
+                    wb.client.release(&lease).await.expect("release");
+                    break;
+                }
+                pegaflow_api::client::QueryOutcome::Ready { num_hit_blocks, .. } => {
+                    panic!("only {num_hit_blocks} of 64 blocks fetched")
+                }
+                pegaflow_api::client::QueryOutcome::Loading => {
+                    tokio::time::sleep(Duration::from_micros(200)).await
+                }
+            }
+        }
+        let t0 = Instant::now();
+        let s = settle(wa, &hs, &format!("lat-local-{run}"), Duration::from_secs(5)).await;
+        local.push(t0.elapsed());
+        assert_eq!(s.hits, 64);
+        wa.client.release(&s.lease).await.expect("release");
+    }
+    remote.sort();
+    local.sort();
+    println!(
+        "64 blocks (128 MiB), QueryPrefetch -> Ready: remote hit median {:?} (runs {remote:?}); local hit median {:?}; a remote hit adds {:?}",
+        remote[2],
+        local[2],
+        remote[2].saturating_sub(local[2])
+    );
+}
+
+/// One `len`-byte copy through a loopback TCP socket (a writer thread, a reader thread, 4
+/// MiB writes), for the fetch figures to stand next to.
+fn plain_socket_copy(len: usize) -> Duration {
+    use std::io::{Read, Write};
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    let addr = l.local_addr().unwrap();
+    let writer = std::thread::spawn(move || {
+        let mut c = std::net::TcpStream::connect(addr).unwrap();
+        let buf = vec![0x5Au8; 4 << 20];
+        let mut left = len;
+        while left > 0 {
+            let n = left.min(buf.len());
+            c.write_all(&buf[..n]).unwrap();
+            left -= n;
+        }
+    });
+    let (mut c, _) = l.accept().unwrap();
+    let mut dst = vec![0u8; len];
+    let t0 = Instant::now();
+    c.read_exact(&mut dst).unwrap();
+    let took = t0.elapsed();
+    writer.join().unwrap();
+    assert!(dst.iter().all(|&b| b == 0x5A));
+    took
 }
