@@ -112,7 +112,7 @@ async fn a_block_saved_on_one_node_is_fetched_by_another_byte_exact() {
     assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 24.0);
     // The requester advertises what it fetched (once resident): without the source, the
     // directory's plan for the run is the requester; a third node can fetch it.
-    let dir = redis_directory(&env, "basic");
+    let dir = redis_directory(&env.redis.url(), "basic");
     let t0 = Instant::now();
     loop {
         let plan = dir.query_prefix(NS, &hs, Some(&a.addr())).await.unwrap();
@@ -606,32 +606,9 @@ async fn a_run_split_over_two_holders_lands_in_one_request() {
     }
 }
 
-/// A client of the directory the nodes of `prefix` share.
-fn redis_directory(env: &Env, prefix: &str) -> std::sync::Arc<dyn pegaflow_runtime::Directory> {
-    let mut settings = toml::Table::new();
-    settings.insert("url".into(), env.redis.url().into());
-    settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
-    (directory_factory("redis").unwrap().build)(&settings, &RuntimeContext::default())
-        .expect("a redis directory client")
-}
-
 /// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
 async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
-    let dir = redis_directory(env, prefix);
-    let t0 = Instant::now();
-    loop {
-        let plan = dir.query_prefix(NS, hs, None).await.unwrap_or_default();
-        if plan.len() == 1 && plan[0].node == node.addr() && plan[0].prefix_len as usize == hs.len()
-        {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the directory does not list {} for the run: {plan:?}",
-            node.name
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_listed_in(&env.redis.url(), prefix, node, hs).await
 }
 
 /// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) between two processes on

@@ -459,28 +459,7 @@ async fn simultaneous_mutual_fetches_both_land() {
 
 /// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
 async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
-    let mut settings = toml::Table::new();
-    settings.insert("url".into(), env.redis.url().into());
-    settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
-    let dir = (pegaflow_runtime::directory_factory("redis").unwrap().build)(
-        &settings,
-        &pegaflow_runtime::RuntimeContext::default(),
-    )
-    .expect("a redis directory client");
-    let t0 = Instant::now();
-    loop {
-        let plan = dir.query_prefix(NS, hs, None).await.unwrap_or_default();
-        if plan.len() == 1 && plan[0].node == node.addr() && plan[0].prefix_len as usize == hs.len()
-        {
-            return;
-        }
-        assert!(
-            t0.elapsed() < Duration::from_secs(10),
-            "the directory does not list {} for the run: {plan:?}",
-            node.name
-        );
-        tokio::time::sleep(Duration::from_millis(50)).await;
-    }
+    wait_listed_in(&env.redis.url(), prefix, node, hs).await
 }
 
 /// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) over the emulator between two

@@ -501,3 +501,38 @@ pub fn block_on_in_netns<T: Send>(
             .block_on(f)
     })
 }
+
+/// A client of the Redis directory at `redis_url` under `prefix` (the key prefix the nodes of
+/// one test share, `pf:{prefix}:`).
+pub fn redis_directory(
+    redis_url: &str,
+    prefix: &str,
+) -> std::sync::Arc<dyn pegaflow_runtime::Directory> {
+    let mut settings = toml::Table::new();
+    settings.insert("url".into(), redis_url.into());
+    settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
+    (pegaflow_runtime::directory_factory("redis").unwrap().build)(
+        &settings,
+        &pegaflow_runtime::RuntimeContext::default(),
+    )
+    .expect("a redis directory client")
+}
+
+/// Waits (≤ 10 s) until that directory lists `node` as the one holder of all of `hs`.
+pub async fn wait_listed_in(redis_url: &str, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
+    let dir = redis_directory(redis_url, prefix);
+    let t0 = Instant::now();
+    loop {
+        let plan = dir.query_prefix(NS, hs, None).await.unwrap_or_default();
+        if plan.len() == 1 && plan[0].node == node.addr() && plan[0].prefix_len as usize == hs.len()
+        {
+            return;
+        }
+        assert!(
+            t0.elapsed() < Duration::from_secs(10),
+            "the directory does not list {} for the run: {plan:?}",
+            node.name
+        );
+        tokio::time::sleep(Duration::from_millis(50)).await;
+    }
+}
