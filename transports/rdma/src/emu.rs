@@ -495,14 +495,14 @@ fn worker(nic: &Shared, qp: &QpInner, rx: &std::sync::mpsc::Receiver<ReadWr>) {
             });
             continue;
         }
-        let late = st.fault_late_after > 0
-            && nic.ops.load(Ordering::Relaxed) + 1 == st.fault_late_after
-            && *qp.state.lock() == QpState::Rts;
-        if *qp.state.lock() == QpState::Error && !late {
+        if *qp.state.lock() == QpState::Error {
             complete(WcStatus::Flushed);
             continue;
         }
+        // The READ's number on this NIC decides the faults armed at the n-th operation; taken
+        // in one step, so two queue pairs' workers never both (or neither) get the same n.
         let n = nic.ops.fetch_add(1, Ordering::Relaxed) + 1;
+        let late = st.fault_late_after > 0 && n == st.fault_late_after;
         if late {
             // Already on the wire when the requester gave up: the bytes land late.
             std::thread::sleep(Duration::from_millis(st.fault_late_completion_ms));
