@@ -336,20 +336,14 @@ impl Nic for EmuNic {
 
     fn create_qp(&self) -> Result<Box<dyn QueuePair>, VerbsError> {
         let qpn = self.s.next_qpn.fetch_add(1, Ordering::Relaxed) & 0xff_ffff;
-        let (tx, rx) = std::sync::mpsc::channel::<ReadWr>();
         let inner = Arc::new(QpInner {
             qpn,
             state: Mutex::new(QpState::Reset),
             remote: Mutex::new(None),
         });
-        let (nic, worker_inner) = (self.s.clone(), inner.clone());
-        std::thread::Builder::new()
-            .name(format!("rdma-emu-qp{qpn}"))
-            .spawn(move || worker(&nic, &worker_inner, &rx))
-            .map_err(dev("queue pair worker thread"))?;
         Ok(Box::new(EmuQp {
             inner,
-            sq: Mutex::new(Some(tx)),
+            sq: Mutex::new(SendQueue::Idle),
             psn: (qpn.wrapping_mul(2_654_435_761)) & 0xff_ffff,
             nic: self.s.clone(),
         }))
@@ -397,10 +391,21 @@ impl QpInner {
 }
 
 /// An emulated reliable-connected queue pair.
+/// An emulated queue pair's send queue. Its worker thread starts with the first post: a
+/// holder's queue pairs only answer and never post, so they cost no thread.
+enum SendQueue {
+    /// Nothing posted yet.
+    Idle,
+    /// The worker's queue.
+    Running(std::sync::mpsc::Sender<ReadWr>),
+    /// Destroyed.
+    Gone,
+}
+
 pub struct EmuQp {
     inner: Arc<QpInner>,
-    /// The send queue to the worker; `None` once the queue pair is destroyed.
-    sq: Mutex<Option<std::sync::mpsc::Sender<ReadWr>>>,
+    /// The send queue to the worker.
+    sq: Mutex<SendQueue>,
     psn: u32,
     nic: Arc<Shared>,
 }
@@ -409,7 +414,7 @@ impl Drop for EmuQp {
     fn drop(&mut self) {
         // Destroying: whatever is still queued completes flushed, without copying.
         *self.inner.state.lock() = QpState::Error;
-        self.sq.lock().take();
+        *self.sq.lock() = SendQueue::Gone;
     }
 }
 
@@ -456,8 +461,17 @@ impl QueuePair for EmuQp {
         if !matches!(s, QpState::Rts | QpState::Error) {
             return Err(VerbsError::Post(format!("queue pair in {s:?}")));
         }
-        let sq = self.sq.lock();
-        let Some(tx) = sq.as_ref() else {
+        let mut sq = self.sq.lock();
+        if matches!(*sq, SendQueue::Idle) {
+            let (tx, rx) = std::sync::mpsc::channel::<ReadWr>();
+            let (nic, inner) = (self.nic.clone(), self.inner.clone());
+            std::thread::Builder::new()
+                .name(format!("rdma-emu-qp{}", self.inner.qpn))
+                .spawn(move || worker(&nic, &inner, &rx))
+                .map_err(|e| VerbsError::Post(format!("queue pair worker thread: {e}")))?;
+            *sq = SendQueue::Running(tx);
+        }
+        let SendQueue::Running(tx) = &*sq else {
             return Err(VerbsError::Post("queue pair destroyed".into()));
         };
         for w in wrs {

@@ -51,6 +51,11 @@ pub const MAX_OFFERED_QPS: usize = 1024;
 /// do not cut each other's connection.
 pub const CONNS_PER_PEER: usize = 4;
 
+/// Holder-side queue pairs kept over all requesters at most: beyond it the oldest
+/// connections go (each answer makes up to [`MAX_OFFERED_QPS`], and requester ids cost a
+/// caller nothing, so the connection caps alone would not bound them).
+pub const MAX_HOLDER_QPS: usize = 4096;
+
 /// Settings of the data path.
 #[derive(Debug, Clone, Copy)]
 pub struct PathLimits {
@@ -438,12 +443,15 @@ impl Engine {
         // max_connections.
         loop {
             let mine = hc.keys().filter(|(r, _)| r == requester).count();
+            let total_qps: usize = hc.values().map(|c| c._qps.len()).sum();
             let victim = if mine > CONNS_PER_PEER {
                 hc.iter()
                     .filter(|((r, _), _)| r == requester)
                     .min_by_key(|(_, c)| c.seq)
                     .map(|(k, _)| k.clone())
-            } else if hc.len() > self.limits.max_holder_connections {
+            } else if hc.len() > self.limits.max_holder_connections
+                || (total_qps > MAX_HOLDER_QPS && hc.len() > 1)
+            {
                 hc.iter().min_by_key(|(_, c)| c.seq).map(|(k, _)| k.clone())
             } else {
                 None
