@@ -251,6 +251,8 @@ pub struct IbvNic {
     max_init_rd_atomic: u8,
     /// Registered regions (never deregistered: the pool lives as long as the process).
     mrs: Mutex<Vec<MemoryRegion>>,
+    /// This NIC's own `Arc` (set by [`open`]): each queue pair holds the NIC it was made on.
+    me: std::sync::Weak<IbvNic>,
 }
 
 // SAFETY: verbs objects are thread-safe per rdma-core's documentation (every call takes
@@ -315,7 +317,14 @@ pub fn open(names: &[String], gid_index: u8) -> Result<Vec<Arc<IbvNic>>, VerbsEr
     };
     wanted
         .into_iter()
-        .map(|(name, dev)| open_one(l, &name, dev, gid_index).map(Arc::new))
+        .map(|(name, dev)| {
+            open_one(l, &name, dev, gid_index).map(|n| {
+                Arc::new_cyclic(|me| IbvNic {
+                    me: me.clone(),
+                    ..n
+                })
+            })
+        })
         .collect()
 }
 
@@ -379,6 +388,7 @@ fn open_one(
             return Err(errno(&format!("ibv_create_cq {name}")));
         }
         Ok(IbvNic {
+            me: std::sync::Weak::new(),
             lib: l,
             ctx,
             pd,
@@ -461,8 +471,12 @@ impl Nic for IbvNic {
             QP_NUM,
         );
         let psn = (uuid::Uuid::new_v4().as_u128() as u32) & 0xff_ffff;
+        let nic = self
+            .me
+            .upgrade()
+            .ok_or_else(|| VerbsError::Device(format!("{} is closing", self.caps.name)))?;
         Ok(Box::new(IbvQp {
-            nic: self as *const IbvNic,
+            nic,
             qp,
             qpn,
             psn,
@@ -523,15 +537,15 @@ impl Nic for IbvNic {
 
 /// A queue pair of an [`IbvNic`].
 pub struct IbvQp {
-    nic: *const IbvNic,
+    /// The NIC it was made on, kept alive while the queue pair lives.
+    nic: Arc<IbvNic>,
     qp: *mut c_void,
     qpn: u32,
     psn: u32,
     state: Mutex<QpState>,
 }
 
-// SAFETY: see IbvNic; the NIC outlives its queue pairs (the engine holds the NICs for
-// as long as any connection lives).
+// SAFETY: see IbvNic; each queue pair holds its NIC (`nic`), which therefore outlives it.
 unsafe impl Send for IbvQp {}
 // SAFETY: as above.
 unsafe impl Sync for IbvQp {}
@@ -545,8 +559,7 @@ impl Drop for IbvQp {
 
 impl IbvQp {
     fn nic(&self) -> &IbvNic {
-        // SAFETY: the NIC outlives its queue pairs (type docs).
-        unsafe { &*self.nic }
+        &self.nic
     }
 
     fn modify(&self, to: QpState, attr: &mut [u8; QA_SIZE], mask: c_int) -> Result<(), VerbsError> {

@@ -326,7 +326,7 @@ impl PeerFetcher for RdmaFetcher {
         expect: Option<&BlockShape>,
         deadline: Instant,
     ) -> Vec<Arc<SealedBlock>> {
-        if let Err(e) = self.engine.register_pool(stack.pool()) {
+        if let Err(e) = self.engine.register_pool_async(stack.pool()).await {
             tracing::warn!(error = %e, "rdma: cannot register the pool; not fetching from peers");
             return Vec::new();
         }
@@ -398,7 +398,8 @@ impl PeerService for RdmaPeer {
             ))
         })?;
         engine
-            .register_pool(store.pool())
+            .register_pool_async(store.pool())
+            .await
             .map_err(|e| tonic::Status::internal(format!("cannot register the pool: {e}")))?;
         let requester = req.requester_id.clone();
         // Queue pair setup may block on the device: off the async workers.

@@ -214,6 +214,10 @@ pub struct Engine {
     limits: PathLimits,
     /// The pool's regions registered per NIC (`local[nic]`), once.
     local: Mutex<Option<Vec<Vec<MemoryRegion>>>>,
+    /// Why the pool's registration failed, once it did: not retried (regions already
+    /// registered on the NICs before the failing one stay registered, and a retry would add
+    /// more of them each time).
+    register_failed: Mutex<Option<VerbsError>>,
     /// Keeps the registered regions mapped.
     regions: Mutex<Vec<HostRegion>>,
     pending: Arc<Mutex<HashMap<u64, Entry>>>,
@@ -265,6 +269,7 @@ impl Engine {
             nics,
             limits,
             local: Mutex::new(None),
+            register_failed: Mutex::new(None),
             regions: Mutex::new(Vec::new()),
             pending: Arc::new(Mutex::new(HashMap::new())),
             next_pull: AtomicU64::new(1),
@@ -311,6 +316,25 @@ impl Engine {
         self.register_regions(pool.regions())
     }
 
+    /// [`Engine::register_pool`] from async code: the first registration (which pins the
+    /// whole pool on every NIC and can take seconds) runs on a blocking thread, not on the
+    /// caller's async worker; later calls return at once.
+    ///
+    /// # Errors
+    /// As [`Engine::register_pool`]; a failure is remembered and returned again.
+    pub async fn register_pool_async(
+        self: &Arc<Self>,
+        pool: &Arc<dyn HostPool>,
+    ) -> Result<(), VerbsError> {
+        if self.local.lock().is_some() {
+            return Ok(());
+        }
+        let (me, pool) = (self.clone(), pool.clone());
+        tokio::task::spawn_blocking(move || me.register_pool(&pool))
+            .await
+            .map_err(|e| VerbsError::Device(format!("pool registration task: {e}")))?
+    }
+
     /// Registers `regions` on every NIC, unless a registration happened already; the
     /// engine holds the regions (their owners keep them mapped) for as long as it lives.
     ///
@@ -321,13 +345,24 @@ impl Engine {
         if local.is_some() {
             return Ok(());
         }
+        if let Some(e) = self.register_failed.lock().clone() {
+            return Err(e);
+        }
         let mut per_nic = Vec::with_capacity(self.nics.len());
         for nic in &self.nics {
             let mut mrs = Vec::with_capacity(regions.len());
             for r in &regions {
-                // SAFETY: `self.regions` keeps every registered range mapped (the region's
-                // owner) for as long as the engine, and so the NIC, lives.
-                mrs.push(unsafe { nic.register(r.addr as u64, r.len as u64)? });
+                // SAFETY: the regions are kept mapped for as long as the engine lives: by
+                // `self.regions` on success, and on failure by leaking them below (the
+                // registrations made before the failure stay with the NIC).
+                match unsafe { nic.register(r.addr as u64, r.len as u64) } {
+                    Ok(m) => mrs.push(m),
+                    Err(e) => {
+                        *self.register_failed.lock() = Some(e.clone());
+                        std::mem::forget(regions);
+                        return Err(e);
+                    }
+                }
             }
             per_nic.push(mrs);
         }
