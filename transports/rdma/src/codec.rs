@@ -29,7 +29,7 @@ use crate::verbs::LinkLayer;
 /// The magic every metadata starts with.
 pub const MAGIC: &[u8; 6] = b"PFRDMA";
 /// The codec's version.
-pub const VERSION: u8 = 1;
+pub const VERSION: u8 = 2;
 /// NICs per side, at most.
 pub const MAX_NICS: usize = 16;
 /// Memory regions per NIC, at most.
@@ -74,6 +74,8 @@ pub struct NicInfo {
     pub gid_index: u8,
     /// NUMA node; -1 = unknown.
     pub numa_node: i32,
+    /// The port's active MTU (verbs numbering: 1 = 256 … 5 = 4096 bytes; 0 = unknown).
+    pub mtu: u8,
     /// The pool's regions registered on it (answer), empty in an offer.
     pub mrs: Vec<MrInfo>,
     /// Its queue pairs in this connection.
@@ -149,6 +151,7 @@ impl Meta {
             b.extend_from_slice(&n.gid);
             b.push(n.gid_index);
             b.extend_from_slice(&n.numa_node.to_le_bytes());
+            b.push(n.mtu);
             b.extend_from_slice(&(n.mrs.len() as u16).to_le_bytes());
             for m in &n.mrs {
                 b.extend_from_slice(&m.addr.to_le_bytes());
@@ -277,6 +280,10 @@ impl Meta {
             let gid: [u8; 16] = r.take(16)?.try_into().expect("16 bytes");
             let gid_index = r.u8()?;
             let numa_node = r.u32()? as i32;
+            let mtu = r.u8()?;
+            if mtu > 5 {
+                return bad(format!("MTU {mtu} (verbs numbers 0..=5)"));
+            }
             let nm = r.u16()? as usize;
             if nm > MAX_MRS {
                 return bad(format!("{nm} regions"));
@@ -307,6 +314,7 @@ impl Meta {
                 gid,
                 gid_index,
                 numa_node,
+                mtu,
                 mrs,
                 qps,
             });
@@ -419,6 +427,7 @@ mod tests {
             },
             gid_index: 3,
             numa_node: numa,
+            mtu: 5,
             mrs: vec![MrInfo {
                 addr: 0x7f00_0000_0000,
                 len: 1 << 30,
@@ -479,8 +488,13 @@ mod tests {
         t.push(0);
         assert!(Meta::decode(&t).unwrap_err().0.contains("trailing"));
         let mut v = good.clone();
-        v[6] = 2;
+        v[6] = VERSION + 1;
         assert!(Meta::decode(&v).unwrap_err().0.contains("version"));
+        v[6] = 1;
+        assert!(
+            Meta::decode(&v).unwrap_err().0.contains("version"),
+            "version 1 (no MTU) is refused"
+        );
         assert!(Meta::decode(b"pegaflow-tcp/1").is_err());
         // Every single-byte corruption decodes or is refused, never panics.
         for i in 0..good.len() {

@@ -223,6 +223,7 @@ impl EmuNic {
                 [0; 16]
             },
             gid_index: if link == LinkLayer::Ethernet { 3 } else { 0 },
+            mtu: 5,
             numa_node: settings.nic_numa_nodes.get(index).copied().unwrap_or(-1),
             max_qp_wr: 4096,
             max_msg_bytes: 1 << 30,

@@ -401,6 +401,7 @@ fn open_one(
                 gid,
                 gid_index,
                 numa_node: numa_of(name),
+                mtu: rd::<u32>(&pa, PA_ACTIVE_MTU).clamp(1, 5) as u8,
                 max_qp_wr,
                 max_msg_bytes: rd::<u64>(&da, DA_MAX_MR_SIZE).min(1 << 31),
             },
@@ -550,6 +551,16 @@ unsafe impl Send for IbvQp {}
 // SAFETY: as above.
 unsafe impl Sync for IbvQp {}
 
+/// The path MTU of a connection (verbs numbering, 1 = 256 … 5 = 4096 bytes): the smaller of
+/// this port's active MTU and the peer's (`0`: unknown, ours then).
+fn path_mtu(mine: u32, theirs: u8) -> u32 {
+    let mine = mine.clamp(1, 5);
+    match u32::from(theirs) {
+        0 => mine,
+        t => mine.min(t.clamp(1, 5)),
+    }
+}
+
 impl Drop for IbvQp {
     fn drop(&mut self) {
         // SAFETY: a live QP, destroyed once.
@@ -611,7 +622,7 @@ impl QueuePair for IbvQp {
         }
         let mut a = [0u8; QA_SIZE];
         wr(&mut a, QA_STATE, QPS_RTR);
-        wr(&mut a, QA_PATH_MTU, nic.active_mtu.clamp(1, 5));
+        wr(&mut a, QA_PATH_MTU, path_mtu(nic.active_mtu, peer.mtu));
         wr(&mut a, QA_DEST_QPN, peer.qpn);
         wr(&mut a, QA_RQ_PSN, peer.psn);
         wr(&mut a, QA_MAX_DEST_RD_ATOMIC, nic.max_rd_atomic);
@@ -723,6 +734,16 @@ impl QueuePair for IbvQp {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_path_mtu_is_the_smaller_ports() {
+        assert_eq!(super::path_mtu(5, 3), 3, "4096 here, 1024 there: 1024");
+        assert_eq!(super::path_mtu(3, 5), 3);
+        assert_eq!(super::path_mtu(4, 0), 4, "an unknown peer MTU: ours");
+        assert_eq!(super::path_mtu(0, 0), 1, "never below 256 bytes");
+        assert_eq!(super::path_mtu(9, 9), 5, "never above 4096 bytes");
+    }
+
     use super::*;
 
     /// On a machine without the library or without devices, opening reports RDMA

@@ -380,6 +380,7 @@ impl Engine {
             gid: c.gid,
             gid_index: c.gid_index,
             numa_node: c.numa_node,
+            mtu: c.mtu,
             mrs,
             qps,
         }
@@ -434,6 +435,7 @@ impl Engine {
                     lid: r.lid,
                     gid: r.gid,
                     link: r.link,
+                    mtu: r.mtu,
                     fabric: String::new(),
                 })?;
                 qp.qp.to_rts()?;
@@ -917,6 +919,7 @@ impl Handshake for Engine {
                     lid: h.lid,
                     gid: h.gid,
                     link: h.link,
+                    mtu: h.mtu,
                     fabric: fabric.clone(),
                 })?;
                 qp.qp.to_rts()?;

@@ -527,6 +527,7 @@ fn emulated_queue_pairs_follow_the_state_machine() {
         lid: 0,
         gid: [1; 16],
         link: crate::verbs::LinkLayer::Ethernet,
+        mtu: 5,
         fabric: String::new(),
     };
     qp.to_rtr(&peer).unwrap();

@@ -96,6 +96,8 @@ pub struct NicCaps {
     pub gid_index: u8,
     /// NUMA node the device is attached to; -1 = unknown.
     pub numa_node: i32,
+    /// The port's active MTU as verbs numbers it (1 = 256 … 5 = 4096 bytes; 0 = unknown).
+    pub mtu: u8,
     /// Most outstanding send WRs per queue pair.
     pub max_qp_wr: u32,
     /// Largest single message in bytes.
@@ -139,6 +141,9 @@ pub struct QpPeer {
     pub gid: [u8; 16],
     /// Link layer both ports speak.
     pub link: LinkLayer,
+    /// The peer port's active MTU (verbs numbering, 0 = unknown): the path MTU is the
+    /// smaller of both ports'.
+    pub mtu: u8,
     /// The emulator's fabric address of the peer (its socket); empty on real hardware.
     pub fabric: String,
 }
