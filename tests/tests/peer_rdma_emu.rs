@@ -172,6 +172,8 @@ async fn the_source_killed_mid_transfer_falls_through_within_the_deadline() {
     let mut wb = worker(&b, "inst-b", BIG).await;
     let hs = hashes("emu-kill", 64);
     save(&mut wa, 0, &hs).await;
+    // The whole run listed first: the victim's query then surely fetches all of it.
+    wait_listed(&env, "emu-kill", &a, &hs).await;
     let probe = settle_all(&mut wb, &hs[..1], 1, Duration::from_secs(15)).await;
     wb.client.release(&probe.lease).await.expect("release");
 
