@@ -156,17 +156,21 @@ async fn the_source_killed_mid_transfer_falls_through_within_the_deadline() {
     else {
         return;
     };
-    let mut o = env.opts("emu-kill", "qps_per_peer = 1\nfetch_timeout_ms = 2500", "");
+    // 64 KiB READs: the probe's block of 2 MiB takes 32, the victim's 128 MiB 2,048. The
+    // requester's 100th READ lands 2 s late, so the victim's pull is surely running (and
+    // its run locked) when the source dies; the deadlines leave room for a loaded machine.
+    let peer = "qps_per_peer = 1\nfetch_timeout_ms = 6000\nmax_wr_bytes = 65536";
+    let mut o = env.opts("emu-kill", peer, "");
     o.pool_bytes = 320 << 20;
+    o.promote_deadline_ms = 8000;
     let mut a = Node::start(&env.bin, "source", &o);
-    // The requester's 600th READ (past the probe's 512: one block of 2 MiB in 4 KiB READs)
-    // lands 2 s late, so the victim's pull is surely running when the source dies.
     let mut ob = env.opts(
         "emu-kill",
-        "qps_per_peer = 1\nfetch_timeout_ms = 2500",
-        "fault_late_after = 600\nfault_late_completion_ms = 2000",
+        peer,
+        "fault_late_after = 100\nfault_late_completion_ms = 2000",
     );
     ob.pool_bytes = 320 << 20;
+    ob.promote_deadline_ms = 8000;
     let b = Node::start(&env.bin, "requester", &ob);
     let mut wa = worker(&a, "inst-a", BIG).await;
     let mut wb = worker(&b, "inst-b", BIG).await;
@@ -184,7 +188,7 @@ async fn the_source_killed_mid_transfer_falls_through_within_the_deadline() {
         .await
         .expect("query");
     assert!(matches!(first, pegaflow_api::client::QueryOutcome::Loading));
-    let locked = within(Duration::from_secs(3), || {
+    let locked = within(Duration::from_secs(5), || {
         a.metric("pegaflow_transfer_locks_held", &[]) > 0.0
     })
     .await;
@@ -192,7 +196,7 @@ async fn the_source_killed_mid_transfer_falls_through_within_the_deadline() {
     let s = settle(&mut wb, &hs, "victim", Duration::from_secs(5)).await;
     let took = t0.elapsed();
     assert!(
-        took < Duration::from_millis(2500 + 1500),
+        took < Duration::from_millis(6000 + 1500),
         "settled within the fetch deadline: {took:?}"
     );
     let failures = b.metric("pegaflow_peer_fetch_failures_total", &[]);
