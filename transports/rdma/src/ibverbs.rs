@@ -253,7 +253,16 @@ pub struct IbvNic {
     mrs: Mutex<Vec<MemoryRegion>>,
     /// This NIC's own `Arc` (set by [`open`]): each queue pair holds the NIC it was made on.
     me: std::sync::Weak<IbvNic>,
+    /// The poller's sleep between empty polls, in µs: 50 while completions come, doubling
+    /// up to [`IDLE_POLL_MAX_US`] while none do (an idle NIC wakes ~1,000 times a second,
+    /// not 20,000).
+    idle_us: std::sync::atomic::AtomicU32,
 }
+
+/// The longest sleep between two empty polls of an idle completion queue, in µs.
+const IDLE_POLL_MAX_US: u32 = 1000;
+/// The sleep between empty polls while completions are arriving, in µs.
+const BUSY_POLL_US: u32 = 50;
 
 // SAFETY: verbs objects are thread-safe per rdma-core's documentation (every call takes
 // the provider's own locks); the raw pointers are only handed to libibverbs.
@@ -389,6 +398,7 @@ fn open_one(
         }
         Ok(IbvNic {
             me: std::sync::Weak::new(),
+            idle_us: std::sync::atomic::AtomicU32::new(BUSY_POLL_US),
             lib: l,
             ctx,
             pd,
@@ -526,12 +536,19 @@ impl Nic for IbvNic {
                         },
                     });
                 }
+                self.idle_us
+                    .store(BUSY_POLL_US, std::sync::atomic::Ordering::Relaxed);
                 return n as usize;
             }
             if n < 0 || Instant::now() >= end {
                 return 0;
             }
-            std::thread::sleep(Duration::from_micros(50));
+            let us = self.idle_us.load(std::sync::atomic::Ordering::Relaxed);
+            std::thread::sleep(Duration::from_micros(u64::from(us)));
+            self.idle_us.store(
+                (us * 2).min(IDLE_POLL_MAX_US),
+                std::sync::atomic::Ordering::Relaxed,
+            );
         }
     }
 }
