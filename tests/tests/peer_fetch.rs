@@ -24,36 +24,9 @@ use nix::sys::signal::Signal;
 use peer_support::*;
 use pegaflow_runtime::{directory_factory, NodeId, RuntimeContext};
 use pegaflow_tests::harness::KvShape;
-use pegaflow_tests::redis::RedisServer;
 // Link the directory backends so their factories register (the stale-advertisement test
 // writes a fake entry).
 use pegaflow_directory as _;
-
-/// 2 layers × 64 blocks × 4 KiB segments: 16 KiB per block.
-const SMALL: KvShape = KvShape {
-    layers: 2,
-    num_blocks: 64,
-    segment_bytes: 4096,
-};
-
-/// 4 layers × 64 blocks × 256 KiB segments: 2 MiB per block, 128 MiB for all 64 (a
-/// transfer long enough to be interrupted).
-const BIG: KvShape = KvShape {
-    layers: 4,
-    num_blocks: 64,
-    segment_bytes: 256 << 10,
-};
-
-struct Env {
-    bin: std::path::PathBuf,
-    redis: RedisServer,
-}
-
-fn env(test: &str) -> Option<Env> {
-    let bin = server_bin(test)?;
-    let redis = RedisServer::start(test)?;
-    Some(Env { bin, redis })
-}
 
 impl Env {
     fn opts(&self, prefix: &str) -> NodeOpts {
@@ -604,11 +577,6 @@ async fn a_run_split_over_two_holders_lands_in_one_request() {
             holder.name
         );
     }
-}
-
-/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
-async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
-    wait_listed_in(&env.redis.url(), prefix, node, hs).await
 }
 
 /// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) between two processes on

@@ -23,35 +23,9 @@ use std::time::{Duration, Instant};
 
 use peer_support::*;
 use pegaflow_tests::harness::KvShape;
-use pegaflow_tests::redis::RedisServer;
 // Link the directory backends so their factories register (the throughput measurement asks
 // the directory when the source's run is listed).
 use pegaflow_directory as _;
-
-/// 2 layers × 64 blocks × 4 KiB segments: 16 KiB per block.
-const SMALL: KvShape = KvShape {
-    layers: 2,
-    num_blocks: 64,
-    segment_bytes: 4096,
-};
-
-/// 4 layers × 64 blocks × 256 KiB segments: 2 MiB per block, 128 MiB for all 64.
-const BIG: KvShape = KvShape {
-    layers: 4,
-    num_blocks: 64,
-    segment_bytes: 256 << 10,
-};
-
-struct Env {
-    bin: std::path::PathBuf,
-    redis: RedisServer,
-}
-
-fn env(test: &str) -> Option<Env> {
-    let bin = server_bin(test)?;
-    let redis = RedisServer::start(test)?;
-    Some(Env { bin, redis })
-}
 
 impl Env {
     /// Options of a node whose `[peer]` is the emulator with `peer` settings and `emu`
@@ -466,11 +440,6 @@ async fn simultaneous_mutual_fetches_both_land() {
     load_exact(&mut wa, &sa.lease, 20, &hb).await;
     load_exact(&mut wb, &sb.lease, 20, &ha).await;
     assert!(a.alive() && b.alive(), "neither panicked");
-}
-
-/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
-async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
-    wait_listed_in(&env.redis.url(), prefix, node, hs).await
 }
 
 /// Throughput of one fetch of 512 MiB (256 blocks of 2 MiB) over the emulator between two

@@ -536,3 +536,40 @@ pub async fn wait_listed_in(redis_url: &str, prefix: &str, node: &Node, hs: &[Ve
         tokio::time::sleep(Duration::from_millis(50)).await;
     }
 }
+
+/// 2 layers × 64 blocks × 4 KiB segments: 16 KiB per block.
+pub const SMALL: KvShape = KvShape {
+    layers: 2,
+    num_blocks: 64,
+    segment_bytes: 4096,
+};
+
+/// 4 layers × 64 blocks × 256 KiB segments: 2 MiB per block, 128 MiB for all 64 (a
+/// transfer long enough to be interrupted).
+pub const BIG: KvShape = KvShape {
+    layers: 4,
+    num_blocks: 64,
+    segment_bytes: 256 << 10,
+};
+
+/// What a multi-node test needs: the server binary and a Redis for the directory. Each test
+/// file adds its own `opts` (the `[peer]` it runs).
+pub struct Env {
+    /// The server binary.
+    pub bin: PathBuf,
+    /// The directory's Redis.
+    pub redis: pegaflow_tests::redis::RedisServer,
+}
+
+/// The environment of `test`, or `None` (with the reason printed) where the binary or
+/// `redis-server` is missing.
+pub fn env(test: &str) -> Option<Env> {
+    let bin = server_bin(test)?;
+    let redis = pegaflow_tests::redis::RedisServer::start(test)?;
+    Some(Env { bin, redis })
+}
+
+/// Waits (≤ 10 s) until the directory under `prefix` lists `node` for all of `hs`.
+pub async fn wait_listed(env: &Env, prefix: &str, node: &Node, hs: &[Vec<u8>]) {
+    wait_listed_in(&env.redis.url(), prefix, node, hs).await
+}
