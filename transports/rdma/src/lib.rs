@@ -59,38 +59,38 @@ pub struct RdmaPeerConfig {
     #[serde(default = "default_qps")]
     pub qps_per_peer: usize,
     /// Whether this node fetches (needs a `[directory]`). False: it only serves.
-    #[serde(default = "default_true")]
+    #[serde(default = "pegaflow_transport_tcp::default_true")]
     pub fetch: bool,
     /// A transfer lock's lease in milliseconds. One-sided reads do not renew it, so it
     /// should exceed the requesters' `fetch_timeout_ms`.
     #[serde(default = "default_lease_ms")]
     pub lock_lease_ms: u64,
     /// The longest a transfer lock lives, in seconds.
-    #[serde(default = "default_lock_cap")]
+    #[serde(default = "pegaflow_transport_tcp::default_lock_cap")]
     pub transfer_lock_timeout_secs: u64,
     /// Blocks locked for peers at once, at most.
-    #[serde(default = "default_max_locked")]
+    #[serde(default = "pegaflow_transport_tcp::default_max_locked")]
     pub max_locked_blocks: usize,
     /// Requester connections held at once (one per requester), at most.
-    #[serde(default = "default_max_conns")]
+    #[serde(default = "pegaflow_transport_tcp::default_max_conns")]
     pub max_connections: usize,
     /// Longest fetch (handshake, lock, pull, release), in milliseconds.
-    #[serde(default = "default_fetch_timeout_ms")]
+    #[serde(default = "pegaflow_transport_tcp::default_fetch_timeout_ms")]
     pub fetch_timeout_ms: u64,
     /// Longest wait for a gRPC connection to a peer, in milliseconds.
-    #[serde(default = "default_connect_timeout_ms")]
+    #[serde(default = "pegaflow_transport_tcp::default_connect_timeout_ms")]
     pub connect_timeout_ms: u64,
     /// How long a failed peer is skipped, in seconds.
-    #[serde(default = "default_suspect_secs")]
+    #[serde(default = "pegaflow_transport_tcp::default_suspect_secs")]
     pub suspect_secs: u64,
     /// How long a peer that denied holding an advertised block is not asked for that run.
-    #[serde(default = "default_stale_secs")]
+    #[serde(default = "pegaflow_transport_tcp::default_stale_secs")]
     pub stale_secs: u64,
     /// Bytes one fetch reads at most.
-    #[serde(default = "default_max_fetch_bytes")]
+    #[serde(default = "pegaflow_transport_tcp::default_max_fetch_bytes")]
     pub max_fetch_bytes: u64,
     /// NUMA node reported for this pool's slots (-1 = unknown).
-    #[serde(default = "default_numa")]
+    #[serde(default = "pegaflow_transport_tcp::default_numa")]
     pub numa_node: i32,
     /// Bytes one READ work request moves at most.
     #[serde(default = "default_max_wr_bytes")]
@@ -106,38 +106,8 @@ pub struct RdmaPeerConfig {
 fn default_qps() -> usize {
     2
 }
-fn default_true() -> bool {
-    true
-}
 fn default_lease_ms() -> u64 {
     10_000
-}
-fn default_lock_cap() -> u64 {
-    120
-}
-fn default_max_locked() -> usize {
-    1 << 20
-}
-fn default_max_conns() -> usize {
-    1024
-}
-fn default_fetch_timeout_ms() -> u64 {
-    3_000
-}
-fn default_connect_timeout_ms() -> u64 {
-    500
-}
-fn default_suspect_secs() -> u64 {
-    30
-}
-fn default_stale_secs() -> u64 {
-    10
-}
-fn default_max_fetch_bytes() -> u64 {
-    4 << 30
-}
-fn default_numa() -> i32 {
-    -1
 }
 fn default_max_wr_bytes() -> u64 {
     1 << 20
@@ -156,15 +126,15 @@ impl Default for RdmaPeerConfig {
             qps_per_peer: default_qps(),
             fetch: true,
             lock_lease_ms: default_lease_ms(),
-            transfer_lock_timeout_secs: default_lock_cap(),
-            max_locked_blocks: default_max_locked(),
-            max_connections: default_max_conns(),
-            fetch_timeout_ms: default_fetch_timeout_ms(),
-            connect_timeout_ms: default_connect_timeout_ms(),
-            suspect_secs: default_suspect_secs(),
-            stale_secs: default_stale_secs(),
-            max_fetch_bytes: default_max_fetch_bytes(),
-            numa_node: default_numa(),
+            transfer_lock_timeout_secs: pegaflow_transport_tcp::default_lock_cap(),
+            max_locked_blocks: pegaflow_transport_tcp::default_max_locked(),
+            max_connections: pegaflow_transport_tcp::default_max_conns(),
+            fetch_timeout_ms: pegaflow_transport_tcp::default_fetch_timeout_ms(),
+            connect_timeout_ms: pegaflow_transport_tcp::default_connect_timeout_ms(),
+            suspect_secs: pegaflow_transport_tcp::default_suspect_secs(),
+            stale_secs: pegaflow_transport_tcp::default_stale_secs(),
+            max_fetch_bytes: pegaflow_transport_tcp::default_max_fetch_bytes(),
+            numa_node: pegaflow_transport_tcp::default_numa(),
             max_wr_bytes: default_max_wr_bytes(),
             signal_every: default_signal_every(),
             gid_index: default_gid_index(),

@@ -100,7 +100,8 @@ pub struct TcpPeerConfig {
 fn default_data_addr() -> String {
     "0.0.0.0:0".into()
 }
-fn default_true() -> bool {
+/// Default: `true`. Shared with the other data paths over these locks and this fetcher.
+pub fn default_true() -> bool {
     true
 }
 fn default_connections() -> usize {
@@ -109,34 +110,43 @@ fn default_connections() -> usize {
 fn default_lease_ms() -> u64 {
     5_000
 }
-fn default_lock_cap() -> u64 {
+/// Default: the longest a transfer lock lives, in seconds (PegaFlow's 120). Shared with the other data paths over these locks and this fetcher.
+pub fn default_lock_cap() -> u64 {
     120
 }
-fn default_max_locked() -> usize {
+/// Default: blocks locked for peers at once, at most. Shared with the other data paths over these locks and this fetcher.
+pub fn default_max_locked() -> usize {
     1 << 20
 }
-fn default_max_conns() -> usize {
+/// Default: data connections at once, at most. Shared with the other data paths over these locks and this fetcher.
+pub fn default_max_conns() -> usize {
     1024
 }
 fn default_io_timeout_ms() -> u64 {
     2_000
 }
-fn default_fetch_timeout_ms() -> u64 {
+/// Default: the longest fetch, in milliseconds. Shared with the other data paths over these locks and this fetcher.
+pub fn default_fetch_timeout_ms() -> u64 {
     3_000
 }
-fn default_connect_timeout_ms() -> u64 {
+/// Default: the longest wait for a connection to a peer, in milliseconds. Shared with the other data paths over these locks and this fetcher.
+pub fn default_connect_timeout_ms() -> u64 {
     500
 }
-fn default_suspect_secs() -> u64 {
+/// Default: how long a failed peer is skipped, in seconds. Shared with the other data paths over these locks and this fetcher.
+pub fn default_suspect_secs() -> u64 {
     30
 }
-fn default_stale_secs() -> u64 {
+/// Default: how long a peer that denied an advertised run is not asked for it again, in seconds. Shared with the other data paths over these locks and this fetcher.
+pub fn default_stale_secs() -> u64 {
     10
 }
-fn default_max_fetch_bytes() -> u64 {
+/// Default: the most bytes one fetch reads. Shared with the other data paths over these locks and this fetcher.
+pub fn default_max_fetch_bytes() -> u64 {
     4 << 30
 }
-fn default_numa() -> i32 {
+/// Default: the NUMA node reported for locked slots (-1: unknown). Shared with the other data paths over these locks and this fetcher.
+pub fn default_numa() -> i32 {
     -1
 }
 
