@@ -60,6 +60,9 @@ async fn health_page(State(s): State<AppState>) -> String {
 }
 
 async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
+    // The gauges include every Save that answered before the scrape (the seal queue holds
+    // ~1 ms of work at most; a scrape never waits longer than 100 ms for it).
+    let _ = tokio::time::timeout(std::time::Duration::from_millis(100), s.engine.settle()).await;
     s.engine.update_gauges();
     (
         [(

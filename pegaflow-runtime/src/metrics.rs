@@ -141,9 +141,10 @@ pub enum SavePhase {
     Allocate,
     /// Building the copy ops, and the batched device → host copy to completion.
     Copy,
-    /// Sealing the complete blocks and indexing them.
+    /// Sealing the complete blocks and indexing them, on the seal thread after the Save
+    /// answered (not part of `total`).
     Seal,
-    /// The whole Save in the engine (the sum of the above).
+    /// The whole Save in the engine up to its answer (validate + plan + allocate + copy).
     Total,
 }
 

@@ -109,6 +109,9 @@ impl ServerHandle {
                 "instances still draining after {drain_timeout:?}; exiting without waiting for them"
             ),
         }
+        // Every answered Save is indexed (and so offered to the lower tiers) before the
+        // demotion worker stops.
+        self.engine.settle().await;
         // The demotion worker's write in flight ends and it drops its hold on the lower
         // tiers: a restart in this process finds an SSD directory unlocked.
         if tokio::time::timeout(drain_timeout, self.engine.store().stop_and_join())

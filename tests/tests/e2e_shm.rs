@@ -411,3 +411,76 @@ async fn concurrent_saves_under_pressure_never_fail_while_blocks_are_evictable()
     }
     assert!(srv.handle.engine.pool().used_bytes() <= 16 * block);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn saves_answer_before_their_seal_and_queries_wait_for_it() {
+    // Capacity for 12 blocks of 16 KiB.
+    let block = (SHAPE.layers * 2 * SHAPE.segment_bytes) as u64;
+    let srv = TestServer::start(ServerOptions {
+        capacity_bytes: 12 * block,
+        ..Default::default()
+    })
+    .await;
+    let engine = srv.handle.engine.clone();
+    let mut w = Worker::register(&srv, "seal", "ns", SHAPE, 0, 1, 0).await;
+    let ids: Vec<u32> = (0..10).collect();
+    let fill = |w: &mut Worker, hs: &[Vec<u8>]| {
+        for (i, h) in hs.iter().enumerate() {
+            w.kv.fill(i, h);
+        }
+    };
+    let a = hashes("sa", 10);
+    fill(&mut w, &a);
+    let hold = engine.hold_seals();
+    // The Save answers with its blocks copied but not yet sealed...
+    tokio::time::timeout(Duration::from_secs(10), w.save(&ids, &a))
+        .await
+        .expect("a Save does not wait for its seal")
+        .unwrap();
+    // ...and a query made after it waits until they are indexed.
+    let mut c = w.client.clone();
+    let qa = a.clone();
+    let query = tokio::spawn(async move { c.query("seal", qa, "q1").await });
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(!query.is_finished(), "the query waits for the pending seal");
+    drop(hold);
+    let (n, lease) = ready(
+        tokio::time::timeout(Duration::from_secs(10), query)
+            .await
+            .expect("answered once sealed")
+            .unwrap()
+            .unwrap(),
+    );
+    assert_eq!(n, 10, "every block of the answered Save is a hit");
+    w.client.release(&lease).await.unwrap();
+
+    // B lands unsealed in the pool; C needs B's room, which only a sealed (indexed) block
+    // can give back: C's allocation waits for B's seal instead of failing.
+    let b = hashes("sb", 10);
+    let cc = hashes("sc", 10);
+    fill(&mut w, &b);
+    let hold = engine.hold_seals();
+    w.save(&ids, &b).await.unwrap();
+    fill(&mut w, &cc);
+    let release = tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        drop(hold);
+    });
+    tokio::time::timeout(Duration::from_secs(10), w.save(&ids, &cc))
+        .await
+        .expect("C's allocation waits for B's seal, then evicts B")
+        .unwrap();
+    release.await.unwrap();
+    let (n, _) = ready(w.client.query("seal", b.clone(), "qb").await.unwrap());
+    assert_eq!(n, 0, "B, older, was evicted for C");
+    let (n, lease) = ready(w.client.query("seal", cc.clone(), "qc").await.unwrap());
+    assert_eq!(n, 10);
+    for bl in 0..64 {
+        w.kv.poison(bl, 0x3C);
+    }
+    let targets: Vec<u32> = (30..40).collect();
+    assert_eq!(w.load(&lease, &targets).await.unwrap(), LOAD_SUCCESS);
+    for (i, h) in cc.iter().enumerate() {
+        assert!(w.kv.holds(30 + i, h), "block {i} of C byte-exact");
+    }
+}

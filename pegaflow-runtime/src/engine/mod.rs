@@ -24,6 +24,7 @@ mod reaper;
 mod register;
 pub mod registry;
 mod save;
+mod sealer;
 
 use std::collections::HashMap;
 use std::sync::Arc;
@@ -38,6 +39,7 @@ pub use instance::{Instance, Topology, Worker};
 pub use lease::{parse_lease, LeaseTable};
 pub use reaper::Reaper;
 pub use registry::Registry;
+pub use sealer::{SealHold, MAX_PENDING_SEALS};
 
 use crate::buffer::HostBuffer;
 use crate::config::EngineConfig;
@@ -123,6 +125,8 @@ pub struct Engine {
     metrics: Arc<Metrics>,
     /// Saves hold the read side while running; Flush takes the write side.
     flush_barrier: tokio::sync::RwLock<()>,
+    /// Seals and indexes saved blocks after their Save answered ([`sealer`]).
+    sealer: sealer::SealQueue,
     fd_channel: Option<Arc<FdChannel>>,
     /// The side channel's counters as last exported (to turn snapshots into counter deltas).
     fd_stats_seen: Mutex<crate::fd_channel::FdChannelStats>,
@@ -152,7 +156,8 @@ impl Engine {
             parts.metrics.clone(),
             parts.index_events,
         );
-        Ok(Arc::new(Self {
+        Ok(Arc::new_cyclic(|engine| Self {
+            sealer: sealer::SealQueue::start(engine.clone()),
             leases: LeaseTable::new(
                 Duration::from_secs(parts.config.lease_ttl_secs),
                 parts.config.max_leases_per_instance,
@@ -191,9 +196,24 @@ impl Engine {
         &self.store
     }
 
-    /// The host-DRAM block index (read-only use: tests, benchmarks, metrics).
+    /// The host-DRAM block index (read-only use: tests, benchmarks, metrics), once every
+    /// Save that answered before this call is sealed and indexed (blocks the calling thread
+    /// for as long as that takes, ~1 ms at most for a 512 MiB Save).
     pub fn index(&self) -> &BlockIndex {
+        self.sealer.settle_blocking();
         self.store.index()
+    }
+
+    /// Test hook: holds the seal thread back until the guard is dropped, so that Saves answer
+    /// with their blocks not yet sealed (queries, Flush and unregistration wait meanwhile).
+    pub fn hold_seals(&self) -> SealHold {
+        self.sealer.hold()
+    }
+
+    /// Waits until every Save that answered before this call is sealed and indexed (the
+    /// barrier queries pass; see [`sealer`]).
+    pub async fn settle(&self) {
+        self.sealer.settle().await
     }
 
     /// Live leases.
@@ -221,11 +241,11 @@ impl Engine {
         let pool = self.store.pool();
         m.pool_capacity_bytes.set(pool.capacity_bytes() as i64);
         m.pool_used_bytes.set(pool.used_bytes() as i64);
-        m.cache_resident_bytes
-            .set(self.index().resident_bytes() as i64);
+        let index = self.store.index();
+        m.cache_resident_bytes.set(index.resident_bytes() as i64);
         m.cache_resident_blocks
             .with_label_values(&["retained"])
-            .set(self.index().resident_blocks() as i64);
+            .set(index.resident_blocks() as i64);
         m.leases_active.set(self.leases.len() as i64);
         let expired = self.leases.expired_total();
         m.leases_expired
@@ -300,6 +320,8 @@ impl Engine {
         let inst = self.registry.remove_fenced(id)?;
         let serial = inst.serial;
         let tensors = self.registry.teardown(inst, &self.leases).await;
+        // Its saves' seals may still add slots to partly saved blocks.
+        self.sealer.settle().await;
         self.drop_inflight_of(serial);
         self.update_gauges();
         Ok(tensors)
@@ -351,6 +373,7 @@ impl Engine {
             ids.push(inst.id.to_string());
             let serial = inst.serial;
             tensors += self.registry.teardown(inst, &self.leases).await;
+            self.sealer.settle().await;
             self.drop_inflight_of(serial);
             self.update_gauges();
         }
@@ -387,6 +410,7 @@ impl Engine {
     /// Waits until every Save accepted before this call has finished (sealed or failed).
     pub async fn flush(&self) {
         drop(self.flush_barrier.write().await);
+        self.sealer.settle().await;
     }
 
     /// [`Engine::flush`], then waits for the demotion queue to drain and flushes the lower

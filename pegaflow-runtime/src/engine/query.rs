@@ -25,6 +25,8 @@ impl Engine {
     /// FAILED_PRECONDITION; empty hash list → a miss.
     pub async fn query(&self, req: QueryCommand) -> EngineResult<QueryAnswer> {
         let inst = self.instance(&req.instance_id)?;
+        // Every Save that answered before this query is sealed and indexed first.
+        self.sealer.settle().await;
         if req.hashes.is_empty() {
             return Ok(QueryAnswer::miss());
         }

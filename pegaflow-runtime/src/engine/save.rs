@@ -1,7 +1,9 @@
 //! Save, orchestrated: resolve the worker (gate entered, ranks checked) → check every layer
 //! and block id → plan one block per (group, hash) not yet resident → allocate host buffers
 //! (the store evicts under pressure) → copy device → host in one batch → seal the blocks
-//! whose slots are all present. A block saved here is queryable as soon as Save returns.
+//! whose slots are all present, on the seal thread ([`super::sealer`]) after Save has
+//! answered. A block saved here is queryable as soon as Save returns: queries wait for the
+//! seals submitted before them.
 //!
 //! Owns those steps and the partially saved blocks (`inflight`), each with the instances that
 //! wrote its slots (freed when the last of them is unregistered: [`Engine::drop_inflight_of`]).
@@ -24,7 +26,8 @@ use crate::plugin::{CopyBatch, CopyOp, Direction};
 /// ([`SavePlan`]), so planning allocates nothing per block.
 struct BlockPlan<'a> {
     group: u32,
-    hash: &'a [u8],
+    /// Where the hash is in the request: (index in the Save's non-empty layers, position).
+    at: (u32, u32),
     len: usize,
     /// The slot the last layer that added a slot claimed (layer-first: a repeat of that slot
     /// is the same hash twice in one layer, and the first wins).
@@ -121,15 +124,16 @@ impl Engine {
         let mut clock = PhaseClock::start();
         let phases = &self.metrics.rpc_phases;
         let inst = self.instance(&cmd.instance_id)?;
-        let saves: Vec<&SaveLayer> = cmd
-            .layers
-            .iter()
-            .filter(|s| !s.block_ids.is_empty())
+        // The non-empty layers, and their indices in the request.
+        let live: Vec<u32> = (0..cmd.layers.len() as u32)
+            .filter(|&i| !cmd.layers[i as usize].block_ids.is_empty())
             .collect();
-        if saves.is_empty() {
+        if live.is_empty() {
             return Ok(());
         }
+        let saves: Vec<&SaveLayer> = live.iter().map(|&i| &cmd.layers[i as usize]).collect();
         let _flush = self.flush_barrier.read().await;
+        self.sealer.room().await;
         let wl = resolve_saver(&inst, &cmd)?;
         let layers = check_save_layers(&wl, &cmd, &saves)?;
         clock.lap(phases.save(SavePhase::Validate));
@@ -138,23 +142,43 @@ impl Engine {
         if plan.blocks.is_empty() {
             return Ok(());
         }
-        let bufs = self.allocate_save(&plan.blocks)?;
+        let bufs = match self.allocate_save(&plan.blocks) {
+            // Blocks still waiting for their seal cannot be evicted yet: once they are
+            // indexed, try again.
+            Err(EngineError::ResourceExhausted(_)) if self.sealer.pending() => {
+                self.sealer.settle().await;
+                self.allocate_save(&plan.blocks)?
+            }
+            r => r?,
+        };
         clock.lap(phases.save(SavePhase::Allocate));
         let bufs = self.copy_to_host(&wl, &plan, bufs).await?;
         clock.lap(phases.save(SavePhase::Copy));
-        self.seal(
-            inst.serial,
-            &inst.namespace,
-            &wl.topology.groups,
-            plan,
-            bufs,
-        );
-        // The gate guard goes last: teardown may only release the worker once nothing here
-        // refers to it.
+        let (slot_recs, starts) = plan.slots_by_block();
+        let blocks: Vec<(u32, u32, u32)> = plan
+            .blocks
+            .iter()
+            .map(|p| (p.group, live[p.at.0 as usize], p.at.1))
+            .collect();
+        let totals: Vec<usize> = wl.topology.groups.iter().map(|g| g.total_slots).collect();
+        drop(plan);
         drop(layers);
+        drop(saves);
+        // The gate guard goes before the seal: the seal refers to the pool's buffers only,
+        // never to the worker, and teardown waits for the seal queue before it drops the
+        // instance's partly saved blocks.
         drop(wl);
-        self.update_gauges();
-        clock.lap(phases.save(SavePhase::Seal));
+        let job = SealBatch {
+            writer: inst.serial,
+            ns: inst.namespace.clone(),
+            totals,
+            cmd,
+            blocks,
+            slot_recs,
+            starts,
+            bufs,
+        };
+        self.sealer.submit(Box::new(move |e: &Engine| e.seal(job)));
         clock.total(phases.save(SavePhase::Total));
         tracing::debug!(instance = %inst.id, "save done");
         Ok(())
@@ -181,7 +205,7 @@ impl Engine {
         // (group, hash list, plan index per position) of the previous layer.
         type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<u32>>);
         let mut prev: Option<Positions<'_>> = None;
-        for (s, &(layer, slot, page_off)) in saves.iter().zip(layers) {
+        for (li, (s, &(layer, slot, page_off))) in saves.iter().zip(layers).enumerate() {
             let block_bytes = layer.layout.block_bytes() as usize;
             let reuse = prev
                 .as_ref()
@@ -195,7 +219,8 @@ impl Engine {
                 hashes
                     .iter()
                     .zip(resident)
-                    .map(|(&hash, resident)| {
+                    .enumerate()
+                    .map(|(pos, (&hash, resident))| {
                         let key = (layer.group, hash);
                         if let Some(&i) = by_key.get(&key) {
                             return Some(i);
@@ -206,7 +231,7 @@ impl Engine {
                         let i = plans.len() as u32;
                         plans.push(BlockPlan {
                             group: layer.group,
-                            hash,
+                            at: (li as u32, pos as u32),
                             len: 0,
                             last_slot: None,
                             last_layer: None,
@@ -317,23 +342,27 @@ impl Engine {
     /// Adds the copied slots to their partly saved blocks (`writer`: the saving instance's
     /// serial) and seals every block that has all its slots. A block whose slots all came
     /// in this save, with no partly saved entry of its key, is sealed directly (no entry).
-    /// The sealed blocks are indexed together, in request order.
-    fn seal(
-        &self,
-        writer: u64,
-        ns: &Arc<str>,
-        groups: &[super::instance::GroupInfo],
-        plan: SavePlan<'_>,
-        bufs: Vec<Arc<HostBuffer>>,
-    ) {
-        let (slot_recs, starts) = plan.slots_by_block();
+    /// The sealed blocks are indexed together, in request order. Runs on the seal thread.
+    fn seal(&self, job: SealBatch) {
+        let t0 = Instant::now();
+        let SealBatch {
+            writer,
+            ref ns,
+            totals,
+            cmd,
+            blocks,
+            slot_recs,
+            starts,
+            bufs,
+        } = job;
         let now = Instant::now();
-        let mut sealed: Vec<(u32, &[u8], Arc<SealedBlock>)> = Vec::with_capacity(plan.blocks.len());
+        let mut sealed: Vec<(u32, &[u8], Arc<SealedBlock>)> = Vec::with_capacity(blocks.len());
         let mut inflight = self.inflight.lock();
         let mut inflight_changed = false;
-        for ((bi, p), buf) in plan.blocks.iter().enumerate().zip(bufs) {
+        for ((bi, &(group, li, pos)), buf) in blocks.iter().enumerate().zip(bufs) {
             let recs = &slot_recs[starts[bi] as usize..starts[bi + 1] as usize];
-            let total = groups[p.group as usize].total_slots;
+            let total = totals[group as usize];
+            let hash: &[u8] = &cmd.layers[li as usize].hashes[pos as usize];
             let fp = self.store.pool().footprint_bytes(buf.len());
             // Every slot, once each, in slot order (layers are planned in id order, so a
             // complete block's records usually are).
@@ -341,12 +370,12 @@ impl Engine {
                 let partial = !inflight.is_empty()
                     && inflight.contains_key(&BlockKey {
                         namespace: ns.clone(),
-                        group: p.group,
-                        hash: p.hash.into(),
+                        group,
+                        hash: hash.into(),
                     });
                 if !partial {
                     let block = Arc::new(SealedBlock {
-                        group: p.group,
+                        group,
                         slots: recs
                             .iter()
                             .map(|&(_, off, len)| Slot {
@@ -358,21 +387,21 @@ impl Engine {
                         footprint: fp,
                         sealed_at: now,
                     });
-                    sealed.push((p.group, p.hash, block));
+                    sealed.push((group, hash, block));
                     continue;
                 }
             }
             if self.store.contains(KeyRef {
                 namespace: ns,
-                group: p.group,
-                hash: p.hash,
+                group,
+                hash,
             }) {
                 continue; // sealed by a concurrent save meanwhile
             }
             let key = BlockKey {
                 namespace: ns.clone(),
-                group: p.group,
-                hash: p.hash.into(),
+                group,
+                hash: hash.into(),
             };
             inflight_changed = true;
             let entry = inflight
@@ -410,12 +439,12 @@ impl Engine {
             if entry.filled == total {
                 let e = inflight.remove(&key).expect("entry present");
                 let block = Arc::new(SealedBlock {
-                    group: p.group,
+                    group,
                     slots: e.slots.into_iter().map(|s| s.expect("filled")).collect(),
                     footprint: e.footprint,
                     sealed_at: now,
                 });
-                sealed.push((p.group, p.hash, block));
+                sealed.push((group, hash, block));
             }
         }
         // Indexed while the in-flight map is still locked, as a per-block insert would be.
@@ -424,7 +453,34 @@ impl Engine {
             let bytes: u64 = inflight.values().map(|e| e.footprint).sum();
             self.metrics.inflight_bytes.set(bytes as i64);
         }
+        drop(inflight);
+        self.update_gauges();
+        self.metrics
+            .rpc_phases
+            .save(SavePhase::Seal)
+            .observe(t0.elapsed().as_secs_f64());
     }
+}
+
+/// A Save's copied blocks, for the seal thread: owned, since the Save has answered by the
+/// time they are sealed.
+struct SealBatch {
+    /// The saving instance's serial.
+    writer: u64,
+    ns: Arc<str>,
+    /// Slots per block, per group of the instance's topology.
+    totals: Vec<usize>,
+    /// The request: it owns the hashes (and its drop, ~one free per hash and layer, leaves
+    /// the Save's path too).
+    cmd: SaveCommand,
+    /// Per planned block: (group, layer index in `cmd`, position in that layer's lists).
+    blocks: Vec<(u32, u32, u32)>,
+    /// The slot records, block by block ([`SavePlan::slots_by_block`]), and where each
+    /// block's records start.
+    slot_recs: Vec<(usize, usize, usize)>,
+    starts: Vec<u32>,
+    /// The blocks' host buffers, copied.
+    bufs: Vec<Arc<HostBuffer>>,
 }
 
 /// Enters the instance's gate and resolves the saving worker; its ranks must be the ones the
