@@ -25,6 +25,10 @@ pub struct Metrics {
     /// Unsealed blocks dropped after their TTL, or when the instance that wrote them was
     /// unregistered.
     pub inflight_gc_cleaned: IntCounter,
+    /// Saves whose seal job panicked on the seal thread (their blocks were never indexed).
+    pub seal_failures: IntCounter,
+    /// Seal jobs waiting for the seal thread.
+    pub seal_queue_jobs: IntGauge,
     /// Footprint of indexed blocks, in bytes.
     pub cache_resident_bytes: IntGauge,
     /// Indexed blocks, by class (`retained`: local saves).
@@ -316,6 +320,14 @@ impl Metrics {
             inflight_gc_cleaned: reg!(c(
                 "pegaflow_inflight_gc_cleaned_total",
                 "Unsealed blocks dropped: stale past the in-flight TTL, or their writer's instance was unregistered"
+            )),
+            seal_failures: reg!(c(
+                "pegaflow_seal_failures_total",
+                "Saves whose seal job panicked: answered, but their blocks were never indexed"
+            )),
+            seal_queue_jobs: reg!(g(
+                "pegaflow_seal_queue_jobs",
+                "Answered Saves whose blocks wait for the seal thread"
             )),
             cache_resident_bytes: reg!(g(
                 "pegaflow_cache_resident_bytes",

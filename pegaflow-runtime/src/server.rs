@@ -111,7 +111,12 @@ impl ServerHandle {
         }
         // Every answered Save is indexed (and so offered to the lower tiers) before the
         // demotion worker stops.
-        self.engine.settle().await;
+        if tokio::time::timeout(drain_timeout, self.engine.settle())
+            .await
+            .is_err()
+        {
+            tracing::warn!("seals still pending after {drain_timeout:?}; stopping the lower tiers without them");
+        }
         // The demotion worker's write in flight ends and it drops its hold on the lower
         // tiers: a restart in this process finds an SSD directory unlocked.
         if tokio::time::timeout(drain_timeout, self.engine.store().stop_and_join())

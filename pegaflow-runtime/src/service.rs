@@ -151,12 +151,18 @@ impl pb::engine_server::Engine for EngineService {
         request: Request<pb::SaveRequest>,
     ) -> Result<Response<pb::SaveResponse>, Status> {
         let t0 = Instant::now();
+        tracing::debug!(layers = request.get_ref().saves.len(), "save received");
         let engine = self.engine.clone();
         let r = match decode::save(request.into_inner()) {
             Ok(cmd) => Self::detached(async move { engine.save(cmd).await }).await,
             Err(e) => Err(e.into()),
         };
         self.record("save", t0, &r);
+        tracing::debug!(
+            ok = r.is_ok(),
+            handler_us = t0.elapsed().as_micros() as u64,
+            "save answered"
+        );
         r.map(|()| {
             Response::new(pb::SaveResponse {
                 status: ok_status(),

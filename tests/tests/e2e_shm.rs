@@ -484,3 +484,36 @@ async fn saves_answer_before_their_seal_and_queries_wait_for_it() {
         assert!(w.kv.holds(30 + i, h), "block {i} of C byte-exact");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_memory_cleanup_removes_the_blocks_of_saves_still_waiting_for_their_seal() {
+    let srv = TestServer::start(ServerOptions::default()).await;
+    let engine = srv.handle.engine.clone();
+    let mut w = Worker::register(&srv, "clean", "ns", SHAPE, 0, 1, 0).await;
+    let hs = hashes("cl", 10);
+    for (i, h) in hs.iter().enumerate() {
+        w.kv.fill(i, h);
+    }
+    let hold = engine.hold_seals();
+    w.save(&(0..10).collect::<Vec<_>>(), &hs).await.unwrap();
+    // The cleanup (POST /cache/memory/cleanup runs it on a blocking thread) waits for the
+    // answered Save's seal, then removes its blocks.
+    let e2 = engine.clone();
+    let cleanup = tokio::task::spawn_blocking(move || e2.cleanup_memory());
+    tokio::time::sleep(Duration::from_millis(100)).await;
+    assert!(
+        !cleanup.is_finished(),
+        "the cleanup waits for the pending seal"
+    );
+    drop(hold);
+    let r = tokio::time::timeout(Duration::from_secs(10), cleanup)
+        .await
+        .expect("done once sealed")
+        .unwrap();
+    assert_eq!(r.evicted_blocks, 10, "{r:?}");
+    let (n, _) = ready(w.client.query("clean", hs.clone(), "q").await.unwrap());
+    assert_eq!(
+        n, 0,
+        "nothing of the Save is left to query after the cleanup"
+    );
+}

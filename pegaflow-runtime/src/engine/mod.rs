@@ -39,7 +39,7 @@ pub use instance::{Instance, Topology, Worker};
 pub use lease::{parse_lease, LeaseTable};
 pub use reaper::Reaper;
 pub use registry::Registry;
-pub use sealer::{SealHold, MAX_PENDING_SEALS};
+pub use sealer::{SealHold, MAX_PENDING_HASHES, MAX_PENDING_SEALS};
 
 use crate::buffer::HostBuffer;
 use crate::config::EngineConfig;
@@ -156,8 +156,9 @@ impl Engine {
             parts.metrics.clone(),
             parts.index_events,
         );
+        let seal_metrics = parts.metrics.clone();
         Ok(Arc::new_cyclic(|engine| Self {
-            sealer: sealer::SealQueue::start(engine.clone()),
+            sealer: sealer::SealQueue::start(engine.clone(), seal_metrics),
             leases: LeaseTable::new(
                 Duration::from_secs(parts.config.lease_ttl_secs),
                 parts.config.max_leases_per_instance,
@@ -204,8 +205,10 @@ impl Engine {
         self.store.index()
     }
 
-    /// Test hook: holds the seal thread back until the guard is dropped, so that Saves answer
-    /// with their blocks not yet sealed (queries, Flush and unregistration wait meanwhile).
+    /// Test hook: holds the seal thread back until the guard (and every other hold) is
+    /// dropped, so that Saves answer with their blocks not yet sealed (queries, Flush and
+    /// unregistration wait meanwhile; [`Engine::index`] would block).
+    #[doc(hidden)]
     pub fn hold_seals(&self) -> SealHold {
         self.sealer.hold()
     }
@@ -384,6 +387,8 @@ impl Engine {
     /// Removes every block from the DRAM index (`POST /cache/memory/cleanup`). Leased blocks
     /// stay allocated until loaded or released; lower tiers keep what they hold.
     pub fn cleanup_memory(&self) -> MemoryCleanup {
+        // Blocks of Saves that answered before the cleanup are indexed first, then removed.
+        self.sealer.settle_blocking();
         self.leases.sweep();
         let pool = self.store.pool();
         let before = pool.used_bytes();

@@ -46,27 +46,28 @@ struct SavePlan<'a> {
     parts: Vec<(u32, &'a WorkerLayer, u32, usize)>,
 }
 
-impl SavePlan<'_> {
-    /// The slot records of each block: `slots` reordered block by block (stable), and where
-    /// each block's records start (`starts[b]..starts[b + 1]`).
-    fn slots_by_block(&self) -> (Vec<(usize, usize, usize)>, Vec<u32>) {
-        let n = self.blocks.len();
-        let mut starts = vec![0u32; n + 1];
-        for &(b, ..) in &self.slots {
-            starts[b as usize + 1] += 1;
-        }
-        for b in 0..n {
-            starts[b + 1] += starts[b];
-        }
-        let mut fill = starts.clone();
-        let mut out = vec![(0, 0, 0); self.slots.len()];
-        for &(b, slot, off, len) in &self.slots {
-            let at = &mut fill[b as usize];
-            out[*at as usize] = (slot, off, len);
-            *at += 1;
-        }
-        (out, starts)
+/// The slot records of each of `n` blocks: `slots` ((block, slot, offset, length), in plan
+/// order) reordered block by block (stable), and where each block's records start
+/// (`starts[b]..starts[b + 1]`).
+fn slots_by_block(
+    n: usize,
+    slots: &[(u32, usize, usize, usize)],
+) -> (Vec<(usize, usize, usize)>, Vec<u32>) {
+    let mut starts = vec![0u32; n + 1];
+    for &(b, ..) in slots {
+        starts[b as usize + 1] += 1;
     }
+    for b in 0..n {
+        starts[b + 1] += starts[b];
+    }
+    let mut fill = starts.clone();
+    let mut out = vec![(0, 0, 0); slots.len()];
+    for &(b, slot, off, len) in slots {
+        let at = &mut fill[b as usize];
+        out[*at as usize] = (slot, off, len);
+        *at += 1;
+    }
+    (out, starts)
 }
 
 /// Appends the copy ops moving `layer`'s block `block_id` to/from `buf` at `buf_off`, merging
@@ -133,7 +134,11 @@ impl Engine {
         }
         let saves: Vec<&SaveLayer> = live.iter().map(|&i| &cmd.layers[i as usize]).collect();
         let _flush = self.flush_barrier.read().await;
-        self.sealer.room().await;
+        // A place in the seal queue before anything is allocated (waits while it is full).
+        let place = self
+            .sealer
+            .reserve(saves.iter().map(|s| s.hashes.len()).sum())
+            .await;
         let wl = resolve_saver(&inst, &cmd)?;
         let layers = check_save_layers(&wl, &cmd, &saves)?;
         clock.lap(phases.save(SavePhase::Validate));
@@ -142,43 +147,37 @@ impl Engine {
         if plan.blocks.is_empty() {
             return Ok(());
         }
-        let bufs = match self.allocate_save(&plan.blocks) {
-            // Blocks still waiting for their seal cannot be evicted yet: once they are
-            // indexed, try again.
-            Err(EngineError::ResourceExhausted(_)) if self.sealer.pending() => {
-                self.sealer.settle().await;
-                self.allocate_save(&plan.blocks)?
-            }
-            r => r?,
-        };
+        let bufs = self.allocate_save(&plan.blocks).await?;
         clock.lap(phases.save(SavePhase::Allocate));
-        let bufs = self.copy_to_host(&wl, &plan, bufs).await?;
-        clock.lap(phases.save(SavePhase::Copy));
-        let (slot_recs, starts) = plan.slots_by_block();
+        // The seal's inputs that need no copy, taken before it.
         let blocks: Vec<(u32, u32, u32)> = plan
             .blocks
             .iter()
             .map(|p| (p.group, live[p.at.0 as usize], p.at.1))
             .collect();
         let totals: Vec<usize> = wl.topology.groups.iter().map(|g| g.total_slots).collect();
-        drop(plan);
+        let bufs = self.copy_to_host(&wl, &plan, bufs).await?;
+        clock.lap(phases.save(SavePhase::Copy));
+        let slots = plan.slots;
         drop(layers);
         drop(saves);
-        // The gate guard goes before the seal: the seal refers to the pool's buffers only,
-        // never to the worker, and teardown waits for the seal queue before it drops the
-        // instance's partly saved blocks.
-        drop(wl);
         let job = SealBatch {
             writer: inst.serial,
             ns: inst.namespace.clone(),
             totals,
             cmd,
             blocks,
-            slot_recs,
-            starts,
+            slots,
             bufs,
         };
-        self.sealer.submit(Box::new(move |e: &Engine| e.seal(job)));
+        self.sealer.submit(Box::new(move |e: &Engine| {
+            e.seal(job);
+            drop(place);
+        }));
+        // The gate guard goes after the submission: once teardown holds the gate, every seal
+        // of this worker's Saves is queued, and teardown waits for them before it drops the
+        // instance's partly saved blocks. (The seal itself refers to the pool's buffers only.)
+        drop(wl);
         clock.total(phases.save(SavePhase::Total));
         tracing::debug!(instance = %inst.id, "save done");
         Ok(())
@@ -281,15 +280,25 @@ impl Engine {
         Ok(plan)
     }
 
-    /// Host buffers for the plans, all or nothing (the store evicts under pressure).
-    fn allocate_save(&self, plans: &[BlockPlan<'_>]) -> EngineResult<Vec<Arc<HostBuffer>>> {
+    /// Host buffers for the plans, all or nothing (the store evicts under pressure). Blocks
+    /// still waiting for their seal cannot be evicted yet: while seals are pending, or ran
+    /// since the attempt, a refused allocation waits for them and tries again (8 rounds).
+    async fn allocate_save(&self, plans: &[BlockPlan<'_>]) -> EngineResult<Vec<Arc<HostBuffer>>> {
         let lens: Vec<usize> = plans.iter().map(|p| p.len).collect();
-        Ok(self
-            .store
-            .allocate(&lens)?
-            .into_iter()
-            .map(Arc::new)
-            .collect())
+        let mut rounds = 0;
+        loop {
+            let seen = self.sealer.done();
+            match self.store.allocate(&lens) {
+                Ok(b) => return Ok(b.into_iter().map(Arc::new).collect()),
+                Err(EngineError::ResourceExhausted(_))
+                    if rounds < 8 && (self.sealer.pending() || self.sealer.done() != seen) =>
+                {
+                    rounds += 1;
+                    self.sealer.settle().await;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// One batched device → host copy of every planned part, with its metrics. Returns the
@@ -351,10 +360,10 @@ impl Engine {
             totals,
             cmd,
             blocks,
-            slot_recs,
-            starts,
+            slots,
             bufs,
         } = job;
+        let (slot_recs, starts) = slots_by_block(blocks.len(), &slots);
         let now = Instant::now();
         let mut sealed: Vec<(u32, &[u8], Arc<SealedBlock>)> = Vec::with_capacity(blocks.len());
         let mut inflight = self.inflight.lock();
@@ -475,10 +484,8 @@ struct SealBatch {
     cmd: SaveCommand,
     /// Per planned block: (group, layer index in `cmd`, position in that layer's lists).
     blocks: Vec<(u32, u32, u32)>,
-    /// The slot records, block by block ([`SavePlan::slots_by_block`]), and where each
-    /// block's records start.
-    slot_recs: Vec<(usize, usize, usize)>,
-    starts: Vec<u32>,
+    /// The plan's slot records: (block, slot, offset in the block's buffer, length).
+    slots: Vec<(u32, usize, usize, usize)>,
     /// The blocks' host buffers, copied.
     bufs: Vec<Arc<HostBuffer>>,
 }
