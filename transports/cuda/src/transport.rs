@@ -763,6 +763,7 @@ impl Worker {
             queued_us,
             enqueue_us = enqueued.as_micros() as u64,
             total_us = t0.elapsed().as_micros() as u64,
+            submissions = r.as_ref().copied().unwrap_or(0),
             "copy batch"
         );
         let submissions = r?;
