@@ -494,6 +494,16 @@ fn now_unix() -> u64 {
 mod tests {
     use super::*;
 
+    /// A 64 MiB store of 8 MiB segments.
+    fn small() -> DirOptions {
+        DirOptions {
+            capacity: 64 << 20,
+            segment_size: 8 << 20,
+            reserve: 0,
+            direct: true,
+        }
+    }
+
     #[test]
     fn segment_names_round_trip_and_small_stores_get_small_segments() {
         assert_eq!(parse_segment_name(&segment_name(42)), Some(42));
@@ -508,12 +518,7 @@ mod tests {
         // What a forked child's inherited copy of the lock looks like from here: held under
         // this pid, released a moment later.
         let d = tempfile::tempdir().unwrap();
-        let o = DirOptions {
-            capacity: 64 << 20,
-            segment_size: 8 << 20,
-            reserve: 0,
-            direct: true,
-        };
+        let o = small();
         let a = Dir::open(d.path(), o).unwrap();
         let release = std::thread::spawn(move || {
             std::thread::sleep(std::time::Duration::from_millis(200));
@@ -526,12 +531,7 @@ mod tests {
     #[test]
     fn a_second_open_of_one_directory_names_the_holder() {
         let d = tempfile::tempdir().unwrap();
-        let o = DirOptions {
-            capacity: 64 << 20,
-            segment_size: 8 << 20,
-            reserve: 0,
-            direct: true,
-        };
+        let o = small();
         let a = Dir::open(d.path(), o).unwrap();
         assert!(a.slots >= 1);
         // Held by this process: waited for, then refused as a second store in-process.
