@@ -353,7 +353,8 @@ impl Engine {
     /// in this save, with no partly saved entry of its key, is sealed directly (no entry).
     /// The sealed blocks are indexed together, in request order. Runs on the seal thread.
     fn seal(&self, job: SealBatch) {
-        let t0 = Instant::now();
+        // The blocks' seal time, and the start of the phase's clock.
+        let now = Instant::now();
         let SealBatch {
             writer,
             ref ns,
@@ -364,7 +365,6 @@ impl Engine {
             bufs,
         } = job;
         let (slot_recs, starts) = slots_by_block(blocks.len(), &slots);
-        let now = Instant::now();
         let mut sealed: Vec<(u32, &[u8], Arc<SealedBlock>)> = Vec::with_capacity(blocks.len());
         let mut inflight = self.inflight.lock();
         let mut inflight_changed = false;
@@ -467,7 +467,7 @@ impl Engine {
         self.metrics
             .rpc_phases
             .save(SavePhase::Seal)
-            .observe(t0.elapsed().as_secs_f64());
+            .observe(now.elapsed().as_secs_f64());
     }
 }
 
