@@ -17,8 +17,11 @@
 
 mod memcpy;
 mod registrar;
+mod stream;
 
-pub use memcpy::{MemcpyConfig, MemcpyTransport, DEFAULT_PARALLEL_THRESHOLD, DEFAULT_THREADS};
+pub use memcpy::{
+    MemcpyConfig, MemcpyTransport, StreamingStores, DEFAULT_PARALLEL_THRESHOLD, DEFAULT_THREADS,
+};
 pub use registrar::{HostMemfdConfig, HostMemfdRegistrar, DEFAULT_FD_TIMEOUT};
 
 use pegaflow_runtime::{
@@ -63,6 +66,10 @@ inventory::submit! {
                 PluginOption {
                     name: "parallel_threshold",
                     help: "batches at least this large are split across threads",
+                },
+                PluginOption {
+                    name: "streaming_stores",
+                    help: "which copies bypass the cache with streaming stores: saves (default), all, off",
                 },
             ],
         },

@@ -9,6 +9,8 @@ use pegaflow_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
+use crate::stream;
+
 /// Most threads one batch is split across unless `threads` says otherwise.
 pub const DEFAULT_THREADS: usize = 4;
 
@@ -22,6 +24,31 @@ const MIN_BYTES_PER_THREAD: usize = 8 << 20;
 /// Most threads the `threads` option accepts.
 const MAX_THREADS: usize = 64;
 
+/// Which copies write their destination with streaming (non-temporal) stores, bypassing the
+/// cache (the `streaming_stores` option; `stream.rs` says why).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum StreamingStores {
+    /// Every copy goes through the cache.
+    Off,
+    /// Saves (into the landing tier's buffers, which nobody reads until a later Load).
+    #[default]
+    Saves,
+    /// Saves and Loads (a Load's destination is the client's memory: streaming it leaves none
+    /// of the loaded bytes in the cache for a CPU engine that reads them at once).
+    All,
+}
+
+impl StreamingStores {
+    fn applies_to(self, direction: Direction) -> bool {
+        match self {
+            Self::Off => false,
+            Self::Saves => direction == Direction::ToHost,
+            Self::All => true,
+        }
+    }
+}
+
 /// Copies with the CPU (kind `memcpy`); addresses host memory only.
 ///
 /// [`Transport::copy`] runs the whole batch on a blocking thread (splitting batches of at
@@ -31,6 +58,7 @@ const MAX_THREADS: usize = 64;
 pub struct MemcpyTransport {
     threads: usize,
     parallel_threshold: usize,
+    streaming: StreamingStores,
 }
 
 impl Default for MemcpyTransport {
@@ -46,7 +74,14 @@ impl MemcpyTransport {
         Self {
             threads: threads.max(1),
             parallel_threshold,
+            streaming: StreamingStores::default(),
         }
+    }
+
+    /// The same transport with `streaming` deciding which copies use streaming stores.
+    pub fn with_streaming_stores(mut self, streaming: StreamingStores) -> Self {
+        self.streaming = streaming;
+        self
     }
 }
 
@@ -59,6 +94,8 @@ pub struct MemcpyConfig {
     /// Batches of at least this many bytes are split across threads (a size string or bytes).
     #[serde(with = "pegaflow_runtime::config::size")]
     pub parallel_threshold: usize,
+    /// Which copies write with streaming stores: `"saves"` (default), `"all"` or `"off"`.
+    pub streaming_stores: StreamingStores,
 }
 
 impl Default for MemcpyConfig {
@@ -66,6 +103,7 @@ impl Default for MemcpyConfig {
         Self {
             threads: DEFAULT_THREADS,
             parallel_threshold: DEFAULT_PARALLEL_THRESHOLD,
+            streaming_stores: StreamingStores::default(),
         }
     }
 }
@@ -91,10 +129,10 @@ pub(crate) fn build(
     _ctx: &RuntimeContext,
 ) -> anyhow::Result<Arc<dyn Transport>> {
     let c = checked_config(table)?;
-    Ok(Arc::new(MemcpyTransport::new(
-        c.threads,
-        c.parallel_threshold,
-    )))
+    Ok(Arc::new(
+        MemcpyTransport::new(c.threads, c.parallel_threshold)
+            .with_streaming_stores(c.streaming_stores),
+    ))
 }
 
 /// One copy with its direction resolved: `len` bytes from `src` to `dst` (addresses).
@@ -136,12 +174,13 @@ impl Move {
         })
     }
 
-    /// Performs the copy.
+    /// Performs the copy, with streaming stores when `streaming` (the thread then runs
+    /// [`stream::fence`] once its moves are done: [`run_all`]).
     ///
     /// The caller guarantees `src..src+len` is readable and `dst..dst+len` writable for the
     /// duration (the engine validated the addresses against the registration and a live host
     /// buffer, and keeps both alive until the batch completes: `Transport` contract).
-    fn run(self) {
+    fn run(self, streaming: bool) {
         if self.len == 0 {
             return;
         }
@@ -149,12 +188,27 @@ impl Move {
         if overlap {
             // SAFETY: see above; `copy` tolerates overlapping ranges.
             unsafe { std::ptr::copy(self.src as *const u8, self.dst as *mut u8, self.len) }
+        } else if streaming {
+            // SAFETY: see above; the ranges were just checked to be disjoint, and `run_all`
+            // fences on this thread before the batch completes.
+            unsafe { stream::copy(self.src as *const u8, self.dst as *mut u8, self.len) }
         } else {
             // SAFETY: see above; the ranges were just checked to be disjoint.
             unsafe {
                 std::ptr::copy_nonoverlapping(self.src as *const u8, self.dst as *mut u8, self.len)
             }
         }
+    }
+}
+
+/// Runs `moves` on this thread; after streaming stores, fences them so that the batch's
+/// completion, published after this returns, orders after every byte.
+fn run_all(moves: Vec<Move>, streaming: bool) {
+    for m in moves {
+        m.run(streaming);
+    }
+    if streaming {
+        stream::fence();
     }
 }
 
@@ -191,7 +245,7 @@ fn partition(moves: &[Move], total: usize, parts: usize) -> Vec<Vec<Move>> {
 }
 
 /// Runs every move, on up to `threads` threads when the batch is large.
-fn run_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize) {
+fn run_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize, streaming: bool) {
     let total: usize = moves.iter().map(|m| m.len).sum();
     let parts = if total >= parallel_threshold {
         threads.min(total / MIN_BYTES_PER_THREAD).max(1)
@@ -199,7 +253,7 @@ fn run_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize) {
         1
     };
     if parts <= 1 {
-        moves.into_iter().for_each(Move::run);
+        run_all(moves, streaming);
         return;
     }
     let chunks = partition(&moves, total, parts);
@@ -207,10 +261,10 @@ fn run_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize) {
         let mut chunks = chunks.into_iter();
         let mine = chunks.next();
         for chunk in chunks {
-            s.spawn(move || chunk.into_iter().for_each(Move::run));
+            s.spawn(move || run_all(chunk, streaming));
         }
         if let Some(chunk) = mine {
-            chunk.into_iter().for_each(Move::run);
+            run_all(chunk, streaming);
         }
     });
 }
@@ -246,7 +300,8 @@ impl Transport for MemcpyTransport {
             return Ok(());
         }
         let (threads, threshold) = (self.threads, self.parallel_threshold);
-        tokio::task::spawn_blocking(move || run_moves(moves, threads, threshold))
+        let streaming = self.streaming.applies_to(batch.direction);
+        tokio::task::spawn_blocking(move || run_moves(moves, threads, threshold, streaming))
             .await
             .map_err(|e| TransportError(format!("memcpy copy thread failed: {e}")))
     }
@@ -346,17 +401,41 @@ mod tests {
         assert!(device2[3 + len..].iter().all(|&b| b == 0));
     }
 
+    const EVERY_STREAMING: [StreamingStores; 3] = [
+        StreamingStores::Off,
+        StreamingStores::Saves,
+        StreamingStores::All,
+    ];
+
     #[tokio::test]
     async fn copies_both_ways_across_extents() {
-        round_trip(&MemcpyTransport::default(), [4096 + 3, 100, 9000]).await;
+        for s in EVERY_STREAMING {
+            let t = MemcpyTransport::default().with_streaming_stores(s);
+            round_trip(&t, [4096 + 3, 100, 9000]).await;
+        }
     }
 
     #[tokio::test]
     async fn large_batches_split_across_threads() {
         // A low threshold forces the threaded path on a modest batch.
-        let t = MemcpyTransport::new(4, 1 << 20);
-        let mib = 1 << 20;
-        round_trip(&t, [10 * mib + 5, 7 * mib, 16 * mib + 1]).await;
+        for s in EVERY_STREAMING {
+            let t = MemcpyTransport::new(4, 1 << 20).with_streaming_stores(s);
+            let mib = 1 << 20;
+            round_trip(&t, [10 * mib + 5, 7 * mib, 16 * mib + 1]).await;
+        }
+    }
+
+    #[test]
+    fn streaming_stores_apply_to_the_configured_directions() {
+        use Direction::{ToDevice, ToHost};
+        let on = |s: StreamingStores| (s.applies_to(ToHost), s.applies_to(ToDevice));
+        assert_eq!(on(StreamingStores::Off), (false, false));
+        assert_eq!(on(StreamingStores::Saves), (true, false));
+        assert_eq!(on(StreamingStores::All), (true, true));
+        assert_eq!(
+            MemcpyConfig::default().streaming_stores,
+            StreamingStores::Saves
+        );
     }
 
     #[test]
@@ -426,6 +505,14 @@ mod tests {
         assert!(build(&table("threads = 0"), &ctx).is_err());
         assert!(build(&table("parallel_threshold = \"lots\""), &ctx).is_err());
         assert!(build(&table("thread = 2"), &ctx).is_err());
+        for ok in ["off", "saves", "all"] {
+            let t = format!("streaming_stores = \"{ok}\"");
+            assert_eq!(
+                checked_config(&table(&t)).unwrap().streaming_stores,
+                toml::Value::String(ok.into()).try_into().unwrap(),
+            );
+        }
+        assert!(build(&table("streaming_stores = \"sometimes\""), &ctx).is_err());
         let f = pegaflow_runtime::transport_factory("memcpy").unwrap();
         assert_eq!(
             (f.build)(&toml::Table::new(), &ctx).unwrap().kind(),
