@@ -211,6 +211,12 @@ impl TierStack {
         events: IndexEvents,
     ) -> Arc<Self> {
         let queue_cap = config.demote_queue_bytes.min(pool.capacity_bytes() / 4);
+        // Write-behind candidates only exist with a tier to write them to.
+        let index = if lower.is_empty() {
+            BlockIndex::without_unwritten_list()
+        } else {
+            BlockIndex::new()
+        };
         Arc::new_cyclic(|weak| Self {
             demoter: lower.first().map(|t| {
                 demote::Demoter::start(
@@ -222,7 +228,7 @@ impl TierStack {
             }),
             pool,
             lower,
-            index: BlockIndex::new(),
+            index,
             promotions: promote::Promotions::default(),
             peer: std::sync::OnceLock::new(),
             config,
