@@ -69,7 +69,7 @@ inventory::submit! {
                 },
                 PluginOption {
                     name: "streaming_stores",
-                    help: "which copies bypass the cache with streaming stores: saves (default), all, off",
+                    help: "which copies bypass the cache with streaming stores: all (default), saves, off",
                 },
             ],
         },
