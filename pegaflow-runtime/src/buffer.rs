@@ -25,16 +25,32 @@ pub trait HostMemory: Send + Sync {
 
 /// A host allocation of `len()` bytes, possibly spread over several extents.
 pub struct HostBuffer {
-    extents: Vec<Extent>,
+    extents: Extents,
     len: usize,
     owner: Arc<dyn HostMemory>,
+}
+
+/// A buffer's extents: the usual single extent inline (no allocation of its own: a Save of
+/// 4,096 small blocks makes and later frees 4,096 buffers), several on the heap.
+enum Extents {
+    One(Extent),
+    Many(Box<[Extent]>),
+}
+
+impl Extents {
+    fn as_slice(&self) -> &[Extent] {
+        match self {
+            Self::One(e) => std::slice::from_ref(e),
+            Self::Many(v) => v,
+        }
+    }
 }
 
 impl std::fmt::Debug for HostBuffer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         f.debug_struct("HostBuffer")
             .field("len", &self.len)
-            .field("extents", &self.extents.len())
+            .field("extents", &self.extents.as_slice().len())
             .finish()
     }
 }
@@ -44,9 +60,22 @@ impl HostBuffer {
     /// writable, disjoint from every other live buffer, and stay so until `owner.release`.
     pub fn new(extents: Vec<Extent>, owner: Arc<dyn HostMemory>) -> Self {
         let len = extents.iter().map(|e| e.len).sum();
+        let extents = match extents[..] {
+            [e] => Extents::One(e),
+            _ => Extents::Many(extents.into_boxed_slice()),
+        };
         Self {
             extents,
             len,
+            owner,
+        }
+    }
+
+    /// [`HostBuffer::new`] of one extent, without allocating a list for it.
+    pub fn single(extent: Extent, owner: Arc<dyn HostMemory>) -> Self {
+        Self {
+            len: extent.len,
+            extents: Extents::One(extent),
             owner,
         }
     }
@@ -63,7 +92,7 @@ impl HostBuffer {
 
     /// The extents, in logical order.
     pub fn extents(&self) -> &[Extent] {
-        &self.extents
+        self.extents.as_slice()
     }
 
     /// The physical pieces of the logical range `[offset, offset + len)`, in order.
@@ -75,7 +104,7 @@ impl HostBuffer {
             self.len
         );
         Pieces {
-            extents: &self.extents,
+            extents: self.extents.as_slice(),
             idx: 0,
             skip: offset,
             left: len,
@@ -113,7 +142,7 @@ impl HostBuffer {
 
 impl Drop for HostBuffer {
     fn drop(&mut self) {
-        self.owner.release(&self.extents);
+        self.owner.release(self.extents.as_slice());
     }
 }
 

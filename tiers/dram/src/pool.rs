@@ -262,13 +262,33 @@ impl Pool {
         }
     }
 
-    /// Cuts `pieces` (granule-aligned, in order) into one extent list per entry of `lens`,
-    /// each reserving `footprint(len)` bytes with its last extent trimmed to `len`.
-    fn carve(&self, pieces: &[(usize, usize)], lens: &[usize]) -> Vec<Vec<Extent>> {
+    /// Cuts `pieces` (granule-aligned, in order) into one buffer of `owner` per entry of
+    /// `lens`, each reserving `footprint(len)` bytes with its last extent trimmed to `len`.
+    fn carve(
+        &self,
+        pieces: &[(usize, usize)],
+        lens: &[usize],
+        owner: &Arc<dyn HostMemory>,
+    ) -> Vec<HostBuffer> {
         let mut out = Vec::with_capacity(lens.len());
         let (mut pi, mut used_in_piece) = (0, 0);
         for &len in lens {
             let fp = footprint(len).unwrap_or(usize::MAX);
+            if let Some(&(off, _)) = pieces
+                .get(pi)
+                .filter(|&&(_, l)| fp > 0 && l - used_in_piece > fp)
+            {
+                // The usual case: the buffer fits in what is left of the current piece.
+                out.push(HostBuffer::single(
+                    Extent {
+                        addr: self.map.addr + off + used_in_piece,
+                        len,
+                    },
+                    owner.clone(),
+                ));
+                used_in_piece += fp;
+                continue;
+            }
             let mut ext = Vec::with_capacity(1);
             let mut need = fp;
             while need > 0 {
@@ -289,7 +309,7 @@ impl Pool {
                 // The last extent holds at least one whole granule, so this stays > 0.
                 last.len -= fp - len;
             }
-            out.push(ext);
+            out.push(HostBuffer::new(ext, owner.clone()));
         }
         out
     }
@@ -303,12 +323,7 @@ impl Pool {
         }
         let pieces = self.reserve(total)?;
         let owner: Arc<dyn HostMemory> = self.clone();
-        Some(
-            self.carve(&pieces, lens)
-                .into_iter()
-                .map(|ext| HostBuffer::new(ext, owner.clone()))
-                .collect(),
-        )
+        Some(self.carve(&pieces, lens, &owner))
     }
 
     /// One buffer per entry of `lens`, all or nothing, each a single extent whose address is a
@@ -352,11 +367,11 @@ impl Pool {
                 return None;
             };
             self.used.fetch_add(fp, Ordering::Relaxed);
-            out.push(HostBuffer::new(
-                vec![Extent {
+            out.push(HostBuffer::single(
+                Extent {
                     addr: self.map.addr + off,
                     len,
-                }],
+                },
                 owner.clone(),
             ));
         }
