@@ -198,7 +198,9 @@ impl Engine {
             parts: Vec::new(),
         };
         let plans = &mut plan.blocks;
-        let mut by_key: hashbrown::HashMap<(u32, &[u8]), u32> = hashbrown::HashMap::new();
+        // Sized for the first layer's list (usually every layer's): no rehash while planning.
+        let mut by_key: hashbrown::HashMap<(u32, &[u8]), u32> =
+            hashbrown::HashMap::with_capacity(saves.first().map_or(0, |s| s.hashes.len()));
         // Layers usually carry the same hash list: reuse the previous layer's position → plan
         // mapping instead of looking every (layer, block) up again.
         // (group, hash list, plan index per position) of the previous layer.

@@ -543,7 +543,11 @@ impl TierStack {
         m.cache_block_evictions_by_class
             .with_label_values(&["retained"])
             .inc_by(n);
-        let residence = m.cache_residence_duration.with_label_values(&[reason]);
+        // Observed locally (no atomics per block), published once for the batch.
+        let residence = m
+            .cache_residence_duration
+            .with_label_values(&[reason])
+            .local();
         let now = std::time::Instant::now();
         for e in batch {
             residence.observe(
@@ -554,6 +558,7 @@ impl TierStack {
                 self.emit(IndexEventKind::Evicted, &e.key);
             }
         }
+        residence.flush();
     }
 
     fn note_eviction(&self, key: &BlockKey, block: &SealedBlock, reason: &str) {
