@@ -15,11 +15,13 @@ use crate::stream;
 pub const DEFAULT_THREADS: usize = 4;
 
 /// Batches of at least this many bytes are split across threads unless `parallel_threshold`
-/// says otherwise (64 MiB).
-pub const DEFAULT_PARALLEL_THRESHOLD: usize = 64 << 20;
+/// says otherwise (32 MiB). One thread copying from memory not in the cache is bound by its
+/// own loads' latency: on the development VM a 32 MiB Save of 8 KiB blocks copied in 4.5–6.4 ms
+/// on one thread and 2.7–2.9 ms on two (docs/BENCHMARKS.md §4).
+pub const DEFAULT_PARALLEL_THRESHOLD: usize = 32 << 20;
 
-/// Smallest share of a batch worth a thread of its own, in bytes (8 MiB).
-const MIN_BYTES_PER_THREAD: usize = 8 << 20;
+/// Smallest share of a batch worth a thread of its own, in bytes (16 MiB).
+const MIN_BYTES_PER_THREAD: usize = 16 << 20;
 
 /// Most threads the `threads` option accepts.
 const MAX_THREADS: usize = 64;
