@@ -2,8 +2,9 @@
 //! blocks of 8 KiB to 2 MiB, next to a plain memcpy of the same bytes.
 //!
 //! Each block is one layer's K and V halves (split KV-first layout, two ranges of half the
-//! block). Every timed operation moves a 32 MiB batch (below the memcpy transport's 64 MiB
-//! threshold for splitting over threads, so it is one thread, like the memcpy baseline).
+//! block). Every timed operation moves a 32 MiB batch: the memcpy transport's default
+//! settings split it over two threads (32 MiB threshold, 16 MiB per thread) and write with
+//! streaming stores, while the memcpy baseline is one thread of `copy_from_slice`.
 //! - `save/grpc`, `save/engine`: a Save of fresh hashes, through the RPC or `Engine::save`;
 //!   the pool is filled first, so each save also evicts the oldest 32 MiB (steady state);
 //! - `load/grpc`, `load/engine`: a Load (`wait_for_completion`) of a resident 32 MiB lease;
