@@ -147,12 +147,10 @@ struct Shard {
     /// Most and least recently used entries not yet written below DRAM.
     uhead: u32,
     utail: u32,
-    /// Whether the unwritten list is kept ([`BlockIndex::without_unwritten_list`]).
-    ulist: bool,
 }
 
-impl Shard {
-    fn new(ulist: bool) -> Self {
+impl Default for Shard {
+    fn default() -> Self {
         Self {
             table: HashTable::new(),
             nodes: Vec::new(),
@@ -161,7 +159,6 @@ impl Shard {
             tail: NIL,
             uhead: NIL,
             utail: NIL,
-            ulist,
         }
     }
 }
@@ -268,10 +265,9 @@ impl Shard {
 
     /// Marks entry `i` most recently used with `stamp`.
     fn touch(&mut self, i: u32, stamp: u64) {
-        let ulist = self.ulist;
         let n = self.node_mut(i);
         n.stamp = stamp;
-        let unwritten = ulist && !n.written_below;
+        let unwritten = !n.written_below;
         if self.head != i {
             self.unlink(i);
             self.link_front(i);
@@ -285,7 +281,7 @@ impl Shard {
     /// Adds a node (whose key is not resident) as most recently used; returns its slot.
     fn add(&mut self, node: Node) -> u32 {
         let tag = node.tag;
-        let unwritten = self.ulist && !node.written_below;
+        let unwritten = !node.written_below;
         let i = match self.free.pop() {
             Some(i) => {
                 self.nodes[i as usize] = Some(node);
@@ -313,7 +309,7 @@ impl Shard {
     fn remove(&mut self, i: u32) -> Node {
         let (tag, unwritten) = {
             let n = self.node(i);
-            (n.tag, self.ulist && !n.written_below)
+            (n.tag, !n.written_below)
         };
         if let Ok(e) = self.table.find_entry(tag, |&(j, _)| j == i) {
             e.remove();
@@ -459,20 +455,8 @@ fn shard_of(tag: u64) -> usize {
 impl BlockIndex {
     /// An empty index.
     pub fn new() -> Self {
-        Self::with_list(true)
-    }
-
-    /// An empty index that keeps no list of the blocks not yet written below DRAM, for a
-    /// stack with no lower tier: nothing asks for write-behind candidates there, and a touch
-    /// or an insertion then relinks one list instead of two. [`BlockIndex::oldest_unwritten`]
-    /// answers nothing; [`BlockIndex::unwritten_bytes`] still counts.
-    pub fn without_unwritten_list() -> Self {
-        Self::with_list(false)
-    }
-
-    fn with_list(ulist: bool) -> Self {
         Self {
-            shards: (0..SHARDS).map(|_| Mutex::new(Shard::new(ulist))).collect(),
+            shards: (0..SHARDS).map(|_| Mutex::new(Shard::default())).collect(),
             clock: AtomicU64::new(1),
             hasher: hashbrown::DefaultHashBuilder::default(),
             resident_bytes: AtomicU64::new(0),
@@ -962,9 +946,7 @@ impl BlockIndex {
             return false;
         };
         if !s.node(i).written_below {
-            if s.ulist {
-                s.uunlink(i);
-            }
+            s.uunlink(i);
             let n = s.node_mut(i);
             n.written_below = true;
             let fp = n.block.footprint;
@@ -1090,25 +1072,6 @@ mod tests {
             hash: &[1]
         }));
         drop(held);
-    }
-
-    #[test]
-    fn an_index_without_the_unwritten_list_keeps_recency_and_counts_unwritten_bytes() {
-        let ix = BlockIndex::without_unwritten_list();
-        for h in 0..4 {
-            assert!(ix.insert(key("a", h), block(10)));
-        }
-        assert_eq!(ix.unwritten_bytes(), 40);
-        assert!(ix.oldest_unwritten(0, 8).is_empty(), "no candidates kept");
-        ix.get_touch(kr(&[0]));
-        assert!(ix.mark_written_below(&key("a", 2)));
-        assert_eq!(ix.unwritten_bytes(), 30);
-        let order: Vec<u8> = std::iter::from_fn(|| ix.evict_lru())
-            .map(|e| e.key.hash[0])
-            .collect();
-        assert_eq!(order, vec![1, 2, 3, 0], "LRU order, the touched block last");
-        assert_eq!(ix.unwritten_bytes(), 0);
-        assert_eq!(ix.resident_blocks(), 0);
     }
 
     #[test]

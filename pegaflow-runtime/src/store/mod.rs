@@ -211,12 +211,6 @@ impl TierStack {
         events: IndexEvents,
     ) -> Arc<Self> {
         let queue_cap = config.demote_queue_bytes.min(pool.capacity_bytes() / 4);
-        // Write-behind candidates only exist with a tier to write them to.
-        let index = if lower.is_empty() {
-            BlockIndex::without_unwritten_list()
-        } else {
-            BlockIndex::new()
-        };
         Arc::new_cyclic(|weak| Self {
             demoter: lower.first().map(|t| {
                 demote::Demoter::start(
@@ -228,7 +222,7 @@ impl TierStack {
             }),
             pool,
             lower,
-            index,
+            index: BlockIndex::new(),
             promotions: promote::Promotions::default(),
             peer: std::sync::OnceLock::new(),
             config,
