@@ -14,6 +14,7 @@
 
 /// Copies shorter than this many bytes go through the cache (`copy_nonoverlapping`): their
 /// head and tail would be most of the work.
+#[cfg_attr(not(target_arch = "x86_64"), allow(dead_code))]
 pub(crate) const STREAM_MIN: usize = 256;
 
 /// Copies `len` bytes from `src` to `dst` with streaming stores for every whole 64-byte line
