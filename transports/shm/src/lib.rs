@@ -5,7 +5,8 @@
 //!   arrives as a memfd on the fd side channel, maps it shared into the server and hands out
 //!   bounds-checked per-layer regions;
 //! - the `memcpy` [transport](MemcpyTransport): moves bytes between such host registrations
-//!   and the landing tier's host buffers with plain CPU copies on blocking threads.
+//!   and the landing tier's host buffers with CPU copies on blocking threads (streaming stores
+//!   by default, `stream.rs`).
 //!
 //! It must never: touch memory that is not host memory (it refuses CUDA locations), block the
 //! async executor (mapping and copying run on blocking threads), hand out a region that
