@@ -11,6 +11,10 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         .client_mod_attribute(".", r#"#[cfg(feature = "client")]"#)
         .server_mod_attribute(".", r#"#[cfg(feature = "server")]"#)
+        // Hand-written, so that a Save's hashes decode into one buffer per layer, each layer
+        // from one contiguous slice (src/save.rs); the wire format is the .proto's.
+        .extern_path(".pegaflow.SaveRequest", "crate::save::SaveRequest")
+        .extern_path(".pegaflow.SaveLayer", "crate::save::SaveLayer")
         .compile_protos(&["proto/engine.proto"], &["proto"])?;
     Ok(())
 }

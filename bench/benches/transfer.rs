@@ -13,8 +13,8 @@
 //!
 //! After each size's benchmarks it prints the per-phase breakdown of 20 more engine Saves and
 //! Loads (`phases save 8KiB: …`), from the server's `pegaflow_rpc_phase_seconds` series, plus
-//! the time to decode the Save request (`decode::save` of the wire message, outside the
-//! engine). Set `PF_BENCH_PHASES_ONLY=1` to skip the criterion groups and print only those.
+//! the time to decode the Save request (its protobuf bytes into the wire message, then
+//! `decode::save`; outside the engine). Set `PF_BENCH_PHASES_ONLY=1` to skip the criterion groups and print only those.
 //!
 //! The layout can be changed for the phase breakdown: `PF_BENCH_LAYERS` (default 1) layers per
 //! block, `PF_BENCH_SIZES` (comma-separated bytes per layer per block, default the sizes
@@ -230,11 +230,15 @@ fn transfer_benches(c: &mut Criterion) {
                     .map(|l| pegaflow_proto::SaveLayer {
                         layer_name: pegaflow_bench::server::layer_name(l),
                         block_ids: ids.clone(),
-                        block_hashes: h.clone(),
+                        block_hashes: h.clone().into(),
                     })
                     .collect(),
             };
+            // The request as it arrives: bytes, decoded (protobuf, then checked) in the timing.
+            let bytes = prost::Message::encode_to_vec(&wire);
             let t = Instant::now();
+            let wire: pegaflow_proto::SaveRequest =
+                prost::Message::decode(&bytes[..]).expect("decodes");
             let req = pegaflow_runtime::decode::save(wire).expect("a well-formed save");
             decode += t.elapsed();
             rt.block_on(fx.engine().save(req)).expect("save");

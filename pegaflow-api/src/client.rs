@@ -287,7 +287,7 @@ impl EngineClient {
                 .map(|(layer_name, block_ids, block_hashes)| pb::SaveLayer {
                     layer_name,
                     block_ids,
-                    block_hashes,
+                    block_hashes: block_hashes.into(),
                 })
                 .collect(),
         };

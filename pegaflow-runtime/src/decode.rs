@@ -93,9 +93,14 @@ fn check_layer_names(field: &str, names: &[String]) -> EngineResult<()> {
 
 /// A block-hash list: at most [`MAX_BLOCKS_PER_LIST`] hashes of
 /// [`MIN_HASH_BYTES`]..=[`MAX_HASH_BYTES`] bytes each.
-fn check_hashes(field: &str, hashes: &[Vec<u8>]) -> EngineResult<()> {
+fn check_hashes<'a, I>(field: &str, hashes: I) -> EngineResult<()>
+where
+    I: IntoIterator<Item = &'a [u8]>,
+    I::IntoIter: ExactSizeIterator,
+{
+    let hashes = hashes.into_iter();
     check_count(field, hashes.len(), MAX_BLOCKS_PER_LIST)?;
-    for (i, h) in hashes.iter().enumerate() {
+    for (i, h) in hashes.enumerate() {
         if h.len() < MIN_HASH_BYTES {
             return Err(EngineError::invalid(format!(
                 "{field}[{i}] is empty: a block hash is {MIN_HASH_BYTES} to {MAX_HASH_BYTES} bytes"
@@ -668,7 +673,7 @@ pub fn query(req: pb::QueryRequest) -> EngineResult<QueryCommand> {
     }
     check_len("instance_id", &req.instance_id, MAX_INSTANCE_ID_BYTES)?;
     check_len("req_id", &req.req_id, MAX_REQ_ID_BYTES)?;
-    check_hashes("block_hashes", &req.block_hashes)?;
+    check_hashes("block_hashes", req.block_hashes.iter().map(Vec::as_slice))?;
     Ok(QueryCommand {
         instance_id: req.instance_id,
         req_id: req.req_id,
@@ -708,7 +713,7 @@ pub fn check_query_blocks_for_transfer(
 ) -> EngineResult<()> {
     check_len("namespace", &req.namespace, MAX_NAMESPACE_BYTES)?;
     check_len("requester_id", &req.requester_id, MAX_PEER_ID_BYTES)?;
-    check_hashes("block_hashes", &req.block_hashes)
+    check_hashes("block_hashes", req.block_hashes.iter().map(Vec::as_slice))
 }
 
 /// Bounds of a ReleaseTransferLock request (handed to the peer delegate as it is).
@@ -887,7 +892,7 @@ mod tests {
             saves: vec![pb::SaveLayer {
                 layer_name: "l".into(),
                 block_ids: vec![0],
-                block_hashes: vec![vec![]],
+                block_hashes: vec![vec![]].into(),
             }],
             ..Default::default()
         }));

@@ -10,10 +10,16 @@
 
 #![allow(clippy::all, missing_docs)]
 
-/// Everything generated from `package pegaflow`.
+pub mod save;
+
+/// Everything generated from `package pegaflow`, and the hand-written [`SaveRequest`] and
+/// [`SaveLayer`] (`save`).
 pub mod pegaflow {
+    pub use crate::save::{SaveLayer, SaveRequest};
     tonic::include_proto!("pegaflow");
 }
+
+pub use save::HashList;
 
 pub use pegaflow::*;
 

@@ -209,7 +209,7 @@ fn save_layer(name: &str, ids: &[u32], hashes: &[&[u8]]) -> pb::SaveLayer {
     pb::SaveLayer {
         layer_name: s(name),
         block_ids: ids.to_vec(),
-        block_hashes: bytes_list(hashes),
+        block_hashes: hashes.into(),
     }
 }
 

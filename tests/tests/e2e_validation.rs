@@ -204,7 +204,7 @@ async fn bad_saves_and_loads_change_nothing() {
         saves: vec![pb::SaveLayer {
             layer_name: layer.into(),
             block_ids: ids,
-            block_hashes: hashes,
+            block_hashes: hashes.into(),
         }],
     };
     let cases: Vec<(&str, pb::SaveRequest, Code)> = vec![

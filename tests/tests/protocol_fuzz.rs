@@ -292,7 +292,7 @@ fn worker_templates(w: &Worker, lease: &[u8], state: &LoadState) -> Vec<(String,
             .map(|l| pb::SaveLayer {
                 layer_name: KvShape::layer_name(l),
                 block_ids: (0..4).collect(),
-                block_hashes: hs.clone(),
+                block_hashes: hs.clone().into(),
             })
             .collect(),
         pp_rank: 0,

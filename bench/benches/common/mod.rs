@@ -63,7 +63,7 @@ impl Fixture {
                 .map(|l| pb::SaveLayer {
                     layer_name: layer_name(l),
                     block_ids: ids.to_vec(),
-                    block_hashes: hashes.to_vec(),
+                    block_hashes: hashes.to_vec().into(),
                 })
                 .collect(),
         })

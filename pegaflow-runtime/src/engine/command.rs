@@ -7,6 +7,7 @@
 //! workers, leases, layouts) are the engine's.
 
 use pegaflow_api::{TransferMode, LEASE_BYTES};
+pub use pegaflow_proto::HashList;
 
 use crate::plugin::RegistrationPayload;
 
@@ -96,8 +97,8 @@ pub struct SaveLayer {
     pub name: String,
     /// Device block ids, one per hash.
     pub block_ids: Vec<u32>,
-    /// Block hashes, one per block id.
-    pub hashes: Vec<Vec<u8>>,
+    /// Block hashes, one per block id (one buffer for the layer, as decoded).
+    pub hashes: HashList,
 }
 
 /// How a Load reports its completion.

@@ -13,7 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
-use super::command::{SaveCommand, SaveLayer};
+use super::command::{HashList, SaveCommand, SaveLayer};
 use super::instance::{Instance, Topology, WorkerLayer, WorkerLease};
 use super::{Engine, Inflight};
 use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
@@ -204,7 +204,7 @@ impl Engine {
         // Layers usually carry the same hash list: reuse the previous layer's position → plan
         // mapping instead of looking every (layer, block) up again.
         // (group, hash list, plan index per position) of the previous layer.
-        type Positions<'h> = (u32, &'h Vec<Vec<u8>>, Vec<Option<u32>>);
+        type Positions<'h> = (u32, &'h HashList, Vec<Option<u32>>);
         let mut prev: Option<Positions<'_>> = None;
         for (li, (s, &(layer, slot, page_off))) in saves.iter().zip(layers).enumerate() {
             let block_bytes = layer.layout.block_bytes() as usize;
@@ -215,7 +215,7 @@ impl Engine {
                 prev.take().expect("checked").2
             } else {
                 // One residency check per index shard for the whole list.
-                let hashes: Vec<&[u8]> = s.hashes.iter().map(Vec::as_slice).collect();
+                let hashes: Vec<&[u8]> = s.hashes.iter().collect();
                 let resident = self.store.contains_many(ns, layer.group, &hashes);
                 hashes
                     .iter()
@@ -481,8 +481,8 @@ struct SealBatch {
     ns: Arc<str>,
     /// Slots per block, per group of the instance's topology.
     totals: Vec<usize>,
-    /// The request: it owns the hashes (and its drop, ~one free per hash and layer, leaves
-    /// the Save's path too).
+    /// The request: it owns the hashes (one buffer per layer; its drop leaves the Save's path
+    /// too).
     cmd: SaveCommand,
     /// Per planned block: (group, layer index in `cmd`, position in that layer's lists).
     blocks: Vec<(u32, u32, u32)>,
