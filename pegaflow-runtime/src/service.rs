@@ -335,10 +335,14 @@ impl pb::engine_server::Engine for EngineService {
             self.engine.peer(),
         ) {
             (Err(e), _) => Err(e.into()),
-            (Ok(()), Some(p)) => p
-                .query_blocks_for_transfer(self.engine.store(), req)
-                .await
-                .map(Response::new),
+            (Ok(()), Some(p)) => {
+                // The blocks of every Save that answered before this call are sealed and
+                // indexed first, as for QueryPrefetch: a peer asking right after a Save sees it.
+                self.engine.settle().await;
+                p.query_blocks_for_transfer(self.engine.store(), req)
+                    .await
+                    .map(Response::new)
+            }
             (Ok(()), None) => Err(Status::failed_precondition(
                 "cross-node transfer is not configured on this server (the pipeline has no [peer])",
             )),

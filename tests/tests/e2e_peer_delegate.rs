@@ -140,15 +140,33 @@ async fn the_named_peer_delegate_serves_the_rpcs_with_the_store() {
     for (i, h) in hs.iter().enumerate() {
         w.kv.fill(i, h);
     }
+    // The Save answers before its blocks are sealed; a peer's query made after it waits for
+    // the seal rather than missing them.
+    let hold = srv.handle.engine.hold_seals();
     w.save(&[0, 1], &hs[..2]).await.unwrap();
     let mut c = raw(&srv).await;
-    let r = c
-        .query_blocks_for_transfer(pb::QueryBlocksForTransferRequest {
-            namespace: "ns".into(),
-            block_hashes: hs.clone(),
-            requester_id: "other-node".into(),
+    let peer_query = {
+        let mut c = c.clone();
+        let hs = hs.clone();
+        tokio::spawn(async move {
+            c.query_blocks_for_transfer(pb::QueryBlocksForTransferRequest {
+                namespace: "ns".into(),
+                block_hashes: hs,
+                requester_id: "other-node".into(),
+            })
+            .await
         })
+    };
+    tokio::time::sleep(std::time::Duration::from_millis(100)).await;
+    assert!(
+        !peer_query.is_finished(),
+        "the peer's query waits for the pending seal"
+    );
+    drop(hold);
+    let r = tokio::time::timeout(std::time::Duration::from_secs(10), peer_query)
         .await
+        .expect("answered once sealed")
+        .unwrap()
         .unwrap()
         .into_inner();
     assert_eq!(
