@@ -49,6 +49,8 @@ pub const fn cuda_space(ordinal: i32) -> MemorySpace {
     MemorySpace::new(CUDA_DOMAIN, ordinal)
 }
 pub use registrar::{CudaIpcConfig, CudaIpcRegistrar, IpcMapping};
-pub use transport::{CopyPath, CopyReport, CudaTransport, CudaTransportConfig, KernelPath, Policy};
+pub use transport::{
+    CopyPath, CopyReport, CudaTransport, CudaTransportConfig, KernelPath, Policy, Wait,
+};
 pub use vmm::{CudaVmmConfig, CudaVmmRegistrar};
 pub use wrapper::{parse_wrapper, CudaIpcWrapper, MemHandle, WrapperError};

@@ -73,6 +73,23 @@ pub enum KernelPath {
     Mapped,
 }
 
+/// How a copy worker waits for the end of a batch (the last step before it answers).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum Wait {
+    /// Sleep until the GPU signals each stream's end (`cuEventSynchronize` on events made
+    /// with `CU_EVENT_BLOCKING_SYNC`): no CPU while the copy runs, plus the driver's wake-up
+    /// latency on every batch.
+    Sleep,
+    /// Sleep until every stream but the one that ran the batch's last chunk is done, then poll
+    /// that one (`cuEventQuery` in a loop): the wake-up latency leaves the batch's end, and the
+    /// worker spins only for the last chunk (at most one `staging_chunk` of copy time).
+    Tail,
+    /// Poll every stream's end: the lowest latency, one core busy per copying worker for the
+    /// whole batch.
+    Spin,
+}
+
 /// What actually ran for a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum CopyPath {
@@ -129,6 +146,9 @@ pub struct CudaTransportConfig {
     pub queue_depth: usize,
     /// `blocks_per_sm`: kernel thread blocks per multiprocessor, default 8.
     pub blocks_per_sm: u32,
+    /// `wait`: how a worker waits for a batch's end: `"sleep"` (default), `"tail"` or
+    /// `"spin"` ([`Wait`]).
+    pub wait: Wait,
 }
 
 impl Default for CudaTransportConfig {
@@ -147,6 +167,7 @@ impl Default for CudaTransportConfig {
             pin_chunk: MAX_PIN_CHUNK,
             queue_depth: 64,
             blocks_per_sm: 8,
+            wait: Wait::Sleep,
         }
     }
 }
@@ -191,6 +212,10 @@ const OPTIONS: &[PluginOption] = &[
     PluginOption {
         name: "blocks_per_sm",
         help: "copy kernel thread blocks per multiprocessor, 1 to 64",
+    },
+    PluginOption {
+        name: "wait",
+        help: "how a worker waits for a batch's end: sleep (until the GPU's interrupt) | tail (sleep, then poll the last chunk) | spin (poll: lowest latency, one core per copying worker)",
     },
 ];
 
@@ -603,6 +628,11 @@ struct Worker {
     /// `staging_buffers` streams; chunk `i` of a staged batch runs on stream `i % len`.
     streams: Vec<sys::CUstream>,
     done: Vec<sys::CUevent>,
+    /// One event per stream made without `CU_EVENT_BLOCKING_SYNC`, polled by [`Wait::Tail`]
+    /// and [`Wait::Spin`].
+    polled: Vec<sys::CUevent>,
+    /// The stream the running batch enqueued its last work on (what `Wait::Tail` polls).
+    last_stream: usize,
     uploaded: sys::CUevent,
     kernel: Option<sys::CUfunction>,
     grid_cap: u32,
@@ -661,6 +691,16 @@ impl Worker {
             // SAFETY: out-pointer to a live array slot; the context is current.
             check(unsafe { sys::cuEventCreate(e, flags) }, "cuEventCreate")?;
         }
+        let mut polled: Vec<sys::CUevent> = vec![std::ptr::null_mut(); n];
+        for e in &mut polled {
+            check(
+                // SAFETY: out-pointer to a live array slot; the context is current.
+                unsafe {
+                    sys::cuEventCreate(e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
+                },
+                "cuEventCreate",
+            )?;
+        }
         let mut uploaded: sys::CUevent = std::ptr::null_mut();
         check(
             // SAFETY: as above.
@@ -691,6 +731,8 @@ impl Worker {
             pins,
             streams,
             done,
+            polled,
+            last_stream: 0,
             uploaded,
             kernel,
             staging: None,
@@ -711,21 +753,31 @@ impl Worker {
         Ok(w)
     }
 
-    /// Waits for everything enqueued on every stream.
+    /// Waits for everything enqueued on every stream, as `cfg.wait` says: the batch's last
+    /// stream is waited for last.
     fn sync(&mut self) -> Result<(), CudaError> {
         let mut first = Ok(());
-        for k in 0..self.streams.len() {
+        let n = self.streams.len();
+        let last = self.last_stream.min(n - 1);
+        for k in (0..n).filter(|&k| k != last).chain([last]) {
+            let poll = match self.cfg.wait {
+                Wait::Sleep => false,
+                Wait::Tail => k == last,
+                Wait::Spin => true,
+            };
+            let ev = if poll { self.polled[k] } else { self.done[k] };
             // SAFETY: the event and stream belong to this worker's context, which is current.
             let r = check(
-                unsafe { sys::cuEventRecord(self.done[k], self.streams[k]) },
+                unsafe { sys::cuEventRecord(ev, self.streams[k]) },
                 "cuEventRecord",
             )
             .and_then(|()| {
-                // SAFETY: as above.
-                check(
-                    unsafe { sys::cuEventSynchronize(self.done[k]) },
-                    "cuEventSynchronize",
-                )
+                if poll {
+                    poll_event(ev)
+                } else {
+                    // SAFETY: as above.
+                    check(unsafe { sys::cuEventSynchronize(ev) }, "cuEventSynchronize")
+                }
             })
             .or_else(|_| {
                 // SAFETY: as above; the fallback when recording failed.
@@ -743,6 +795,7 @@ impl Worker {
 
     fn run(&mut self, batch: &CopyBatch, queued_us: u64) -> Result<CopyReport, CudaError> {
         let t0 = std::time::Instant::now();
+        self.last_stream = 0;
         let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
         let path = self.choose(batch);
         let r = match path {
@@ -876,6 +929,7 @@ impl Worker {
                 }
             };
             check(r, "cuMemcpyAsync")?;
+            self.last_stream = i % self.streams.len();
         }
         Ok(merged.len())
     }
@@ -1039,6 +1093,7 @@ impl Worker {
     ) -> Result<usize, CudaError> {
         let c = &plan.chunks[i];
         let s = self.streams[i % self.streams.len()];
+        self.last_stream = i % self.streams.len();
         let base = bases[i % bases.len()];
         let mut descs = std::mem::take(&mut self.descs);
         descs.clear();
@@ -1210,12 +1265,34 @@ impl Drop for Worker {
             for p in self.desc_pages.drain(..) {
                 free_desc_page(&p);
             }
-            for e in self.done.iter().chain([&self.uploaded]) {
+            for e in self.done.iter().chain(&self.polled).chain([&self.uploaded]) {
                 let _ = sys::cuEventDestroy_v2(*e);
             }
             for s in &self.streams {
                 let _ = sys::cuStreamDestroy_v2(*s);
             }
+        }
+    }
+}
+
+/// Polls `ev` until the work before it finished (or the query fails). Spins with a pause
+/// hint; after ~1 ms of polling it yields the core between queries, so a stalled copy does not
+/// hold one at full speed.
+fn poll_event(ev: sys::CUevent) -> Result<(), CudaError> {
+    let start = std::time::Instant::now();
+    let mut polls: u32 = 0;
+    loop {
+        // SAFETY: an event of this worker's context (current), recorded on one of its streams.
+        match unsafe { sys::cuEventQuery(ev) } {
+            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_ERROR_NOT_READY => {}
+            e => return check(e, "cuEventQuery"),
+        }
+        polls = polls.wrapping_add(1);
+        if polls.is_multiple_of(64) && start.elapsed() > Duration::from_millis(1) {
+            std::thread::yield_now();
+        } else {
+            std::hint::spin_loop();
         }
     }
 }
@@ -1303,6 +1380,7 @@ pin_threads = 3
 pin_chunk = "1gb"
 queue_depth = 8
 blocks_per_sm = 2
+wait = "tail"
 direct_min_bytes = "1mb""#,
         )
         .unwrap();
@@ -1317,7 +1395,9 @@ direct_min_bytes = "1mb""#,
             (3, 1 << 30, 8, 2)
         );
         assert_eq!(c.direct_min_bytes, 1 << 20);
+        assert_eq!(c.wait, Wait::Tail);
         for bad in [
+            "wait = \"busy\"",
             "policy = \"fast\"",
             "bogus = 1",
             "staging_chunk = \"1kb\"",

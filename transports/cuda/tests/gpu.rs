@@ -22,6 +22,7 @@ use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::wrapper::{encode_wrapper, parse_wrapper};
 use pegaflow_transport_cuda::{
     driver, CopyPath, CudaIpcRegistrar, CudaTransport, CudaTransportConfig, KernelPath, Policy,
+    Wait,
 };
 
 fn gpu_tests() -> bool {
@@ -172,13 +173,22 @@ fn transport_roundtrips_byte_exact_on_every_path() {
     let d = driver().expect("PEGAFLOW_GPU_TESTS=1 but no CUDA driver");
     assert!(!d.devices().is_empty());
     eprintln!("devices: {:?}", d.devices());
-    for (i, kernel_path) in [KernelPath::Staged, KernelPath::Mapped]
-        .into_iter()
-        .enumerate()
+    // Every kernel path, and every way of waiting for a batch's end (on the direct path too).
+    for (i, (kernel_path, wait)) in [
+        (KernelPath::Staged, Wait::Sleep),
+        (KernelPath::Mapped, Wait::Sleep),
+        (KernelPath::Staged, Wait::Tail),
+        (KernelPath::Staged, Wait::Spin),
+        (KernelPath::Mapped, Wait::Tail),
+    ]
+    .into_iter()
+    .enumerate()
     {
+        eprintln!("{kernel_path:?}, wait {wait:?}");
         let cfg = CudaTransportConfig {
             policy: Policy::Hint,
             kernel_path,
+            wait,
             staging_chunk: 1 << 20, // several chunks per batch: exercises double buffering
             pin_chunk: 2 << 20,     // several pinned ranges: exercises boundary splits
             ..Default::default()
