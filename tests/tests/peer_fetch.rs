@@ -49,6 +49,9 @@ async fn a_block_saved_on_one_node_is_fetched_by_another_byte_exact() {
     let mut wb = worker(&b, "inst-b", SMALL).await;
     let hs = hashes("basic", 24);
     save(&mut wa, 0, &hs).await;
+    // Advertised after their seal, asynchronously, per Save RPC (16 + 8 blocks): the requester
+    // sees the whole run, and fetches it under one lock, once the directory lists all of it.
+    wait_listed(&env, "basic", &a, &hs).await;
 
     let s = settle_all(&mut wb, &hs, 24, Duration::from_secs(15)).await;
     assert!(s.loading > 0, "the fetch was answered Loading first: {s:?}");
