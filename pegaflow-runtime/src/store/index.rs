@@ -307,12 +307,26 @@ impl Shard {
 
     /// Removes entry `i` from the table, the lists and the slab.
     fn remove(&mut self, i: u32) -> Node {
+        self.remove_at(i, None)
+    }
+
+    /// [`Shard::remove`] given where the table holds `i` (`bucket`, from
+    /// `HashTable::find_bucket_index`, checked here; looked up again when it is `None` or
+    /// stale).
+    fn remove_at(&mut self, i: u32, bucket: Option<usize>) -> Node {
         let (tag, unwritten) = {
             let n = self.node(i);
             (n.tag, !n.written_below)
         };
-        if let Ok(e) = self.table.find_entry(tag, |&(j, _)| j == i) {
-            e.remove();
+        match bucket.map(|b| self.table.get_bucket_entry(b)) {
+            Some(Ok(e)) if e.get().0 == i => {
+                e.remove();
+            }
+            _ => {
+                if let Ok(e) = self.table.find_entry(tag, |&(j, _)| j == i) {
+                    e.remove();
+                }
+            }
         }
         self.unlink(i);
         if unwritten {
@@ -842,16 +856,24 @@ impl BlockIndex {
             return Vec::new();
         }
         let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
-        // Each shard's oldest evictable entry.
         // Each shard's oldest evictable entry, with its stamp: (stamp, slot), u64::MAX if none.
+        // The entry after it is prefetched: it is read when this one is taken, by which time
+        // the other shards' turns have usually let it arrive.
         let head_of = |g: &Shard, from: u32| match g.evictable_from(from) {
-            Some(i) => (g.node(i).stamp, i),
+            Some(i) => {
+                let n = g.node(i);
+                g.prefetch_node(n.prev);
+                (n.stamp, i)
+            }
             None => (u64::MAX, NIL),
         };
         let mut cur: Vec<(u64, u32)> = guards.iter().map(|g| head_of(g, g.tail)).collect();
         let mut freed = 0u64;
-        out.reserve(max_blocks.min(1024));
-        while freed < min_bytes && out.len() < max_blocks {
+        // Three passes, so that the cache misses of one block's table entry do not wait for
+        // the previous block's: choose the victims in LRU order (list walks only), find their
+        // table buckets (independent lookups), then take them out.
+        let mut victims: Vec<(usize, u32)> = Vec::with_capacity(max_blocks.min(1024));
+        while freed < min_bytes && victims.len() < max_blocks {
             let (si, &(stamp, i)) = cur
                 .iter()
                 .enumerate()
@@ -860,12 +882,25 @@ impl BlockIndex {
             if stamp == u64::MAX {
                 break;
             }
-            let g = &mut guards[si];
-            let newer = g.node(i).prev;
-            let n = g.remove(i);
-            cur[si] = head_of(g, newer);
+            let g = &guards[si];
+            let n = g.node(i);
             freed += n.block.footprint;
-            out.push(n);
+            let newer = n.prev;
+            victims.push((si, i));
+            cur[si] = head_of(g, newer);
+        }
+        // Removing an entry leaves every other entry in its bucket (no insert runs meanwhile),
+        // so the buckets found here stay right.
+        let buckets: Vec<Option<usize>> = victims
+            .iter()
+            .map(|&(si, i)| {
+                let g = &guards[si];
+                g.table.find_bucket_index(g.node(i).tag, |&(j, _)| j == i)
+            })
+            .collect();
+        out.reserve(victims.len());
+        for (&(si, i), b) in victims.iter().zip(buckets) {
+            out.push(guards[si].remove_at(i, b));
         }
         drop(guards);
         let unwritten: u64 = out
