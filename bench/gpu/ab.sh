@@ -1,0 +1,58 @@
+#!/usr/bin/env bash
+# On the GPU machine: an interleaved A/B of server builds or settings with the published-client
+# bench, kernel backend. Each entry of BINS is BIN or BIN:CFG: the server binary BIN in this folder,
+# started with `--config CFG.toml` (from this folder) when CFG is given. Each entry gets its own
+# server start (16 GiB pool), then optionally the client floor (FLOOR=1), then pf_bench.py.
+# Env: BINS (default "pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server"),
+# BATCH (Save RPC size, default 256), REPS (default 3), FLOOR (0), SRV_LOG (RUST_LOG, default info).
+# Prints one line per run (save and load GB/s per rep, byte-exactness, the server's mean Save
+# phases in ms) and the medians per entry; appends the raw JSON lines to $OUT/ab.jsonl.
+set -u
+export PYTHONUNBUFFERED=1
+d=$(cd "$(dirname "$0")" && pwd)
+out=${OUT:-/tmp/out}; mkdir -p "$out"
+logs=/tmp/ab-logs; mkdir -p "$logs"   # per-run server logs stay on the machine
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
+export PYTHONPATH=/tmp/pf-site
+wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
+stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.25; done; kill -9 "$1" 2>/dev/null; }
+i=0
+for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server}; do
+  i=$((i+1))
+  bin=${entry%%:*}; cfg=""; [ "$entry" != "$bin" ] && cfg="--config $d/${entry#*:}.toml"
+  log="$logs/ab-$i.log"
+  RUST_LOG=${SRV_LOG:-info} "$d/$bin" $cfg --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb --enable-prometheus > "$log" 2>&1 & pid=$!
+  wait_health || { echo "$entry did not start"; tail -5 "$log"; stop_pid $pid; continue; }
+  [ "${FLOOR:-0}" = 1 ] && python3 "$d/client_floor.py" --tag "$entry" --batch ${BATCH:-256} --rpcs 300 | tee -a "$out/ab.jsonl" | cut -c1-140
+  timeout 200 python3 "$d/pf_bench.py" --tag "$entry#$i" --backend kernel --batch ${BATCH:-256} --reps ${REPS:-3} >> "$out/ab.jsonl" 2>&1
+  curl -s 127.0.0.1:9091/metrics | grep -E '^pegaflow_rpc_phase_seconds_(sum|count)\{.*rpc="save"' > "$log.metrics"
+  python3 - "$out/ab.jsonl" "$entry#$i" "$log.metrics" <<'PY'
+import json, re, sys, collections
+tag = sys.argv[2]; save, load, exact = [], [], True
+for l in open(sys.argv[1]):
+    try: r = json.loads(l)
+    except Exception: continue
+    if r.get("tag") != tag: continue
+    if r.get("phase") == "save": save.append(round(r["rpc_gbps"], 1))
+    if r.get("phase") == "load": load.append(round(r["load_gbps"], 1)); exact &= bool(r.get("byte_exact"))
+ph = collections.defaultdict(dict)
+for l in open(sys.argv[3]):
+    m = re.match(r'pegaflow_rpc_phase_seconds_(sum|count)\{(.*)\} (\S+)', l)
+    if m: ph[dict(re.findall(r'(\w+)="([^"]*)"', m.group(2)))["phase"]][m.group(1)] = float(m.group(3))
+phases = {p: round(v["sum"] / max(v["count"], 1) * 1e3, 3) for p, v in ph.items() if "sum" in v}
+print(f"{tag}: save {save} load {load} byte-exact {exact} save phases ms {phases}")
+PY
+  stop_pid $pid
+done
+python3 - "$out/ab.jsonl" <<'PY'
+import json, sys, collections, statistics
+by = collections.defaultdict(lambda: ([], []))
+for l in open(sys.argv[1]):
+    try: r = json.loads(l)
+    except Exception: continue
+    t = r.get("tag", "").split("#")[0]
+    if r.get("phase") == "save": by[t][0].append(r["rpc_gbps"])
+    if r.get("phase") == "load": by[t][1].append(r["load_gbps"])
+for t, (s, l) in by.items():
+    if s: print(f"median {t}: save {statistics.median(s):.1f} (n={len(s)}), load {statistics.median(l):.1f}")
+PY
