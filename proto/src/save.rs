@@ -255,8 +255,9 @@ pub struct SaveLayer {
 impl SaveLayer {
     /// Merges the fields encoded in `s` (one whole `SaveLayer` body) into `self`: hashes and
     /// packed block ids in a loop over the slice, anything else through
-    /// [`prost::Message::merge_field`]. The hash list is sized from the body's length on its
-    /// first hash, so it grows about once.
+    /// [`prost::Message::merge_field`]. On its first hash the hash list is sized from the
+    /// block ids already decoded (one hash each, as long as the first), so it is allocated
+    /// about once; without ids it grows as it goes.
     fn merge_slice(&mut self, mut s: &[u8]) -> Result<(), DecodeError> {
         let at = |field: &'static str| {
             move |mut e: DecodeError| {
@@ -274,11 +275,15 @@ impl SaveLayer {
                         return Err(at("block_hashes")(buffer_underflow()));
                     }
                     let len = len as usize;
-                    if self.block_hashes.ends.capacity() == 0 {
-                        // Hashes of this length, each behind a key and a length byte, fill
-                        // at most the rest of the body.
-                        self.block_hashes.bytes.reserve(body);
-                        self.block_hashes.ends.reserve(s.len() / (len + 2) + 1);
+                    if self.block_hashes.ends.capacity() == 0 && !self.block_ids.is_empty() {
+                        // One hash per block id (field 2 comes first on the wire), each at
+                        // most as long as what is left of the body: sized once for a
+                        // well-formed layer, never more than the ids and the body allow.
+                        let n = self.block_ids.len();
+                        self.block_hashes.ends.reserve(n);
+                        self.block_hashes
+                            .bytes
+                            .reserve(n.saturating_mul(len).min(body));
                     }
                     self.block_hashes
                         .push_from(&mut s, len)
@@ -392,6 +397,11 @@ impl prost::Message for SaveLayer {
     }
 }
 
+/// Most `SaveLayer`s one request may decode into: 65,536. The server refuses more than 4,096
+/// layers anyway, after decoding; this bound keeps a hostile request of empty layers (two
+/// bytes each) from growing a list of millions of them first.
+pub const MAX_DECODED_LAYERS: usize = 1 << 16;
+
 /// A Save request (engine.proto `SaveRequest`).
 #[derive(Clone, Default, PartialEq, Eq)]
 pub struct SaveRequest {
@@ -461,6 +471,9 @@ impl prost::Message for SaveRequest {
             3 => int32::merge(wire_type, &mut self.device_id, buf, ctx).map_err(at("device_id")),
             4 => (|| {
                 check_wire_type(WireType::LengthDelimited, wire_type)?;
+                if self.saves.len() >= MAX_DECODED_LAYERS {
+                    return Err(too_many_layers());
+                }
                 let len = decode_varint(buf)?;
                 if len > buf.remaining() as u64 {
                     return Err(buffer_underflow());
@@ -507,6 +520,15 @@ impl prost::Message for SaveRequest {
     fn clear(&mut self) {
         *self = Self::default();
     }
+}
+
+/// The error for a request of more than [`MAX_DECODED_LAYERS`] layers.
+#[cold]
+fn too_many_layers() -> DecodeError {
+    // prost 0.14 offers no other way to build an error with a message of one's own outside
+    // its crate; the constructor is kept through 0.14.
+    #[allow(deprecated)]
+    DecodeError::new(format!("more than {MAX_DECODED_LAYERS} layers"))
 }
 
 /// prost's own "buffer underflow" error, made the only way prost offers outside its crate
@@ -649,6 +671,56 @@ mod tests {
         assert!(
             e.contains("buffer underflow") && e.contains("SaveRequest.saves"),
             "{e}"
+        );
+    }
+
+    #[test]
+    fn hostile_layers_are_bounded() {
+        // More empty layers than MAX_DECODED_LAYERS: refused while decoding.
+        let bytes: Vec<u8> = [0x22u8, 0x00].repeat(MAX_DECODED_LAYERS + 1);
+        let e = SaveRequest::decode(&bytes[..]).unwrap_err().to_string();
+        assert!(e.contains("more than 65536 layers"), "{e}");
+        assert_eq!(
+            SaveRequest::decode(&bytes[..2 * MAX_DECODED_LAYERS])
+                .unwrap()
+                .saves
+                .len(),
+            MAX_DECODED_LAYERS
+        );
+        // One 1-byte hash then a large unknown field: nothing is reserved from the body's
+        // length without block ids.
+        let mut body = vec![0x1a, 0x01, b'h', 0x4a];
+        let junk = 1 << 20;
+        prost::encoding::encode_varint(junk as u64, &mut body);
+        body.resize(body.len() + junk, 0);
+        let mut req = vec![0x22];
+        prost::encoding::encode_varint(body.len() as u64, &mut req);
+        req.extend_from_slice(&body);
+        let r = SaveRequest::decode(&req[..]).unwrap();
+        let h = &r.saves[0].block_hashes;
+        assert_eq!(h.iter().collect::<Vec<_>>(), vec![&b"h"[..]]);
+        assert!(
+            h.bytes.capacity() < 4096 && h.ends.capacity() < 1024,
+            "{h:?}"
+        );
+        // With block ids first, the list is sized from them.
+        let g = Generated {
+            layer_name: "l".into(),
+            block_ids: (0..100).collect(),
+            block_hashes: (0..100u8).map(|i| vec![i; 32]).collect(),
+        };
+        let d = SaveRequest::decode(
+            &GeneratedRequest {
+                saves: vec![g],
+                ..Default::default()
+            }
+            .encode_to_vec()[..],
+        )
+        .unwrap();
+        let h = &d.saves[0].block_hashes;
+        assert_eq!(
+            (h.len(), h.ends.capacity(), h.bytes.capacity()),
+            (100, 100, 3200)
         );
     }
 

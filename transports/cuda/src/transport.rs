@@ -81,11 +81,12 @@ pub enum Wait {
     /// with `CU_EVENT_BLOCKING_SYNC`): no CPU while the copy runs, plus the driver's wake-up
     /// latency on every batch.
     Sleep,
-    /// Sleep until all but the batch's last [`TAIL_BYTES`] are copied (an event recorded on
-    /// the way, about every [`MARK_BYTES`]), then poll every stream's end (`cuEventQuery` in a
-    /// loop): the wake-up latency falls inside the copy, and the worker spins only for the
-    /// tail (~0.3 ms at 55 GB/s; a whole batch smaller than that, and a batch on the mapped
-    /// path, one kernel launch, is polled whole).
+    /// Sleep until all but the batch's last [`TAIL_BYTES`] are copied, on an event recorded
+    /// on the way (one after each copy or staging chunk that brings [`MARK_BYTES`] more), then
+    /// poll every stream's end (`cuEventQuery` in a loop): the wake-up latency falls inside
+    /// the copy. A mark can only follow a whole copy or chunk, so the polled part is up to one
+    /// `staging_chunk` (or one direct copy) longer than the tail; polling stops after
+    /// [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy never holds a core.
     Tail,
     /// Poll every stream's end: the lowest latency, one core busy per copying worker for the
     /// whole batch.
@@ -98,6 +99,9 @@ pub const TAIL_BYTES: u64 = 16 << 20;
 /// [`Wait::Tail`] records a mark (an event it can sleep on) each time this many more bytes
 /// are enqueued: 8 MiB.
 pub const MARK_BYTES: u64 = 8 << 20;
+/// [`Wait::Tail`] polls one stream's end for at most this long, then sleeps: 2 ms, more than
+/// one 64 MiB staging chunk's copy (1.2 ms at 55 GB/s) plus the tail.
+pub const POLL_LIMIT: Duration = Duration::from_millis(2);
 
 /// What actually ran for a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -159,6 +163,22 @@ pub struct CudaTransportConfig {
     /// `"spin"` ([`Wait`]). On the H200 machine `tail` moved a 512 MiB Save in 9.90 ms
     /// against 10.10 ms with `sleep` (docs/BENCHMARKS.md §13).
     pub wait: Wait,
+    /// [`Wait::Tail`]'s tail ([`TAIL_BYTES`]) and mark spacing ([`MARK_BYTES`]), in bytes. Not
+    /// settings: tests shrink them so that small batches take the sleeping branch too.
+    #[doc(hidden)]
+    #[serde(skip, default = "default_tail_bytes")]
+    pub tail_bytes: u64,
+    #[doc(hidden)]
+    #[serde(skip, default = "default_mark_bytes")]
+    pub mark_bytes: u64,
+}
+
+fn default_tail_bytes() -> u64 {
+    TAIL_BYTES
+}
+
+fn default_mark_bytes() -> u64 {
+    MARK_BYTES
 }
 
 impl Default for CudaTransportConfig {
@@ -178,6 +198,8 @@ impl Default for CudaTransportConfig {
             queue_depth: 64,
             blocks_per_sm: 8,
             wait: Wait::Tail,
+            tail_bytes: TAIL_BYTES,
+            mark_bytes: MARK_BYTES,
         }
     }
 }
@@ -774,75 +796,72 @@ impl Worker {
     }
 
     /// Notes `bytes` more enqueued on stream `k`; under [`Wait::Tail`] records a mark on it
-    /// once [`MARK_BYTES`] accumulated since the last one.
-    fn note_enqueued(&mut self, bytes: u64, k: usize) -> Result<(), CudaError> {
+    /// once `mark_bytes` accumulated since the last one. A mark is only an optimisation: one
+    /// that cannot be made is skipped (and logged).
+    fn note_enqueued(&mut self, bytes: u64, k: usize) {
         self.enqueued += bytes;
         self.since_mark += bytes;
-        if self.cfg.wait != Wait::Tail || self.since_mark < MARK_BYTES {
-            return Ok(());
+        if self.cfg.wait != Wait::Tail || self.since_mark < self.cfg.mark_bytes {
+            return;
         }
+        self.since_mark = 0;
         let m = self.marks.len();
         if m == self.mark_events.len() {
             let mut e: sys::CUevent = std::ptr::null_mut();
             let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
                 | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-            check(
-                // SAFETY: out-pointer to a live local; the context is current.
-                unsafe { sys::cuEventCreate(&mut e, flags) },
-                "cuEventCreate",
-            )?;
+            // SAFETY: out-pointer to a live local; the context is current.
+            let r = unsafe { sys::cuEventCreate(&mut e, flags) };
+            if let Err(e) = check(r, "cuEventCreate") {
+                tracing::debug!(ordinal = self.ordinal, "no wait mark: {}", e.0);
+                return;
+            }
             self.mark_events.push(e);
         }
-        check(
-            // SAFETY: event and stream of this worker's context (current).
-            unsafe { sys::cuEventRecord(self.mark_events[m], self.streams[k]) },
-            "cuEventRecord",
-        )?;
-        self.marks.push((self.enqueued, m));
-        self.since_mark = 0;
-        Ok(())
+        match record(self.mark_events[m], self.streams[k]) {
+            Ok(()) => self.marks.push((self.enqueued, m)),
+            Err(e) => tracing::debug!(ordinal = self.ordinal, "no wait mark: {}", e.0),
+        }
     }
 
     /// Waits for everything enqueued on every stream, as `cfg.wait` says.
     fn sync(&mut self) -> Result<(), CudaError> {
-        let poll = match self.cfg.wait {
-            Wait::Sleep => false,
-            Wait::Spin => true,
+        // How long each stream's end is polled before sleeping on it (None: not at all).
+        let poll: Option<Duration> = match self.cfg.wait {
+            Wait::Sleep => None,
+            Wait::Spin => Some(Duration::MAX),
             Wait::Tail => {
-                // Sleep through all but the tail: on the last mark at least TAIL_BYTES before
-                // the end (none for a short batch). A failure here is seen again below.
+                // Sleep through all but the tail: on the last mark at least `tail_bytes`
+                // before the end (none for a short batch). A failure here is seen again below.
                 let end = self.enqueued;
-                if let Some(&(_, m)) = self
-                    .marks
-                    .iter()
-                    .rev()
-                    .find(|(at, _)| at + TAIL_BYTES <= end)
-                {
+                let tail = self.cfg.tail_bytes;
+                if let Some(&(_, m)) = self.marks.iter().rev().find(|(at, _)| at + tail <= end) {
                     // SAFETY: an event of this context, recorded in this batch.
                     let _ = unsafe { sys::cuEventSynchronize(self.mark_events[m]) };
                 }
-                true
+                Some(POLL_LIMIT)
             }
         };
         self.marks.clear();
         let mut first = Ok(());
         for k in 0..self.streams.len() {
-            let ev = if poll { self.polled[k] } else { self.done[k] };
-            // SAFETY: the event and stream belong to this worker's context, which is current.
-            let r = check(
-                unsafe { sys::cuEventRecord(ev, self.streams[k]) },
-                "cuEventRecord",
-            )
-            .and_then(|()| {
-                if poll {
-                    poll_event(ev)
+            let (polled, done, stream) = (self.polled[k], self.done[k], self.streams[k]);
+            let r = (|| {
+                if let Some(limit) = poll {
+                    record(polled, stream)?;
+                    // The event to sleep on if polling runs out.
+                    record(done, stream)?;
+                    if poll_event(polled, limit)? {
+                        return Ok(());
+                    }
                 } else {
-                    // SAFETY: as above.
-                    check(unsafe { sys::cuEventSynchronize(ev) }, "cuEventSynchronize")
+                    record(done, stream)?;
                 }
-            })
+                wait_event(done)
+            })()
             .or_else(|_| {
-                // SAFETY: as above; the fallback when recording failed.
+                // SAFETY: a stream of this worker's context (current); the fallback when
+                // recording or waiting failed.
                 check(
                     unsafe { sys::cuStreamSynchronize(self.streams[k]) },
                     "cuStreamSynchronize",
@@ -992,7 +1011,7 @@ impl Worker {
                 }
             };
             check(r, "cuMemcpyAsync")?;
-            self.note_enqueued(op.len as u64, i % self.streams.len())?;
+            self.note_enqueued(op.len as u64, i % self.streams.len());
         }
         Ok(merged.len())
     }
@@ -1205,7 +1224,7 @@ impl Worker {
             .iter()
             .map(|hc| hc.len as u64)
             .sum();
-        self.note_enqueued(bytes, i % self.streams.len())?;
+        self.note_enqueued(bytes, i % self.streams.len());
         Ok(c.host_copies.len() + 1)
     }
 
@@ -1348,21 +1367,37 @@ impl Drop for Worker {
     }
 }
 
-/// Polls `ev` until the work before it finished (or the query fails). Spins with a pause
-/// hint; after ~1 ms of polling it yields the core between queries, so a stalled copy does not
-/// hold one at full speed.
-fn poll_event(ev: sys::CUevent) -> Result<(), CudaError> {
+/// Records `ev` on `stream`, both of the calling worker's context.
+fn record(ev: sys::CUevent, stream: sys::CUstream) -> Result<(), CudaError> {
+    // SAFETY: the worker created both in its context, which is current on its thread.
+    check(unsafe { sys::cuEventRecord(ev, stream) }, "cuEventRecord")
+}
+
+/// Sleeps (`CU_EVENT_BLOCKING_SYNC` events) or waits until the work before `ev`'s last record
+/// finished.
+fn wait_event(ev: sys::CUevent) -> Result<(), CudaError> {
+    // SAFETY: an event of the calling worker's context, which is current on its thread.
+    check(unsafe { sys::cuEventSynchronize(ev) }, "cuEventSynchronize")
+}
+
+/// Polls `ev` until the work before it finished (true), at most `limit` (false: not done
+/// yet), or the query fails. Spins with a pause hint between queries; past 1 ms it also yields
+/// to any other runnable thread (which keeps the core busy when there is none: only
+/// [`Wait::Spin`] polls without a limit).
+fn poll_event(ev: sys::CUevent, limit: Duration) -> Result<bool, CudaError> {
     let start = std::time::Instant::now();
-    let mut polls: u32 = 0;
     loop {
         // SAFETY: an event of this worker's context (current), recorded on one of its streams.
         match unsafe { sys::cuEventQuery(ev) } {
-            sys::CUresult::CUDA_SUCCESS => return Ok(()),
+            sys::CUresult::CUDA_SUCCESS => return Ok(true),
             sys::CUresult::CUDA_ERROR_NOT_READY => {}
-            e => return check(e, "cuEventQuery"),
+            e => return check(e, "cuEventQuery").map(|()| true),
         }
-        polls = polls.wrapping_add(1);
-        if polls.is_multiple_of(64) && start.elapsed() > Duration::from_millis(1) {
+        let waited = start.elapsed();
+        if waited >= limit {
+            return Ok(false);
+        }
+        if waited > Duration::from_millis(1) {
             std::thread::yield_now();
         } else {
             std::hint::spin_loop();

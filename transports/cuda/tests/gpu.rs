@@ -191,6 +191,10 @@ fn transport_roundtrips_byte_exact_on_every_path() {
             wait,
             staging_chunk: 1 << 20, // several chunks per batch: exercises double buffering
             pin_chunk: 2 << 20,     // several pinned ranges: exercises boundary splits
+            // Marks every MiB and a 2 MiB tail: `tail` sleeps on a mark before it polls, and
+            // reuses its mark events from one batch to the next.
+            tail_bytes: 2 << 20,
+            mark_bytes: 1 << 20,
             ..Default::default()
         };
         let f = fixture(cfg, 42 + i as u64);
