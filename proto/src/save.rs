@@ -242,7 +242,7 @@ impl ExactSizeIterator for Iter<'_> {}
 
 /// One layer of a Save request (engine.proto `SaveLayer`): the device block ids to save and
 /// their hashes, one hash per id.
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SaveLayer {
     /// Field 1: the layer's registered name.
     pub layer_name: String,
@@ -259,12 +259,7 @@ impl SaveLayer {
     /// block ids already decoded (one hash each, as long as the first), so it is allocated
     /// about once; without ids it grows as it goes.
     fn merge_slice(&mut self, mut s: &[u8]) -> Result<(), DecodeError> {
-        let at = |field: &'static str| {
-            move |mut e: DecodeError| {
-                e.push(NAME, field);
-                e
-            }
-        };
+        let at = |field| at(NAME, field);
         let body = s.len();
         while !s.is_empty() {
             let (tag, wire_type) = decode_key(&mut s)?;
@@ -319,16 +314,6 @@ impl SaveLayer {
     }
 }
 
-impl fmt::Debug for SaveLayer {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SaveLayer")
-            .field("layer_name", &self.layer_name)
-            .field("block_ids", &self.block_ids)
-            .field("block_hashes", &self.block_hashes)
-            .finish()
-    }
-}
-
 const NAME: &str = "SaveLayer";
 
 impl prost::Message for SaveLayer {
@@ -351,12 +336,7 @@ impl prost::Message for SaveLayer {
         buf: &mut impl Buf,
         ctx: DecodeContext,
     ) -> Result<(), DecodeError> {
-        let at = |field: &'static str| {
-            move |mut e: DecodeError| {
-                e.push(NAME, field);
-                e
-            }
-        };
+        let at = |field| at(NAME, field);
         match tag {
             1 => string::merge(wire_type, &mut self.layer_name, buf, ctx).map_err(at("layer_name")),
             2 => uint32::merge_repeated(wire_type, &mut self.block_ids, buf, ctx)
@@ -403,7 +383,7 @@ impl prost::Message for SaveLayer {
 pub const MAX_DECODED_LAYERS: usize = 1 << 16;
 
 /// A Save request (engine.proto `SaveRequest`).
-#[derive(Clone, Default, PartialEq, Eq)]
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct SaveRequest {
     /// Field 1: the instance.
     pub instance_id: String,
@@ -415,18 +395,6 @@ pub struct SaveRequest {
     pub saves: Vec<SaveLayer>,
     /// Field 5: the worker's PP rank.
     pub pp_rank: u32,
-}
-
-impl fmt::Debug for SaveRequest {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        f.debug_struct("SaveRequest")
-            .field("instance_id", &self.instance_id)
-            .field("tp_rank", &self.tp_rank)
-            .field("device_id", &self.device_id)
-            .field("saves", &self.saves)
-            .field("pp_rank", &self.pp_rank)
-            .finish()
-    }
 }
 
 const REQUEST: &str = "SaveRequest";
@@ -457,12 +425,7 @@ impl prost::Message for SaveRequest {
         buf: &mut impl Buf,
         ctx: DecodeContext,
     ) -> Result<(), DecodeError> {
-        let at = |field: &'static str| {
-            move |mut e: DecodeError| {
-                e.push(REQUEST, field);
-                e
-            }
-        };
+        let at = |field| at(REQUEST, field);
         match tag {
             1 => {
                 string::merge(wire_type, &mut self.instance_id, buf, ctx).map_err(at("instance_id"))
@@ -519,6 +482,14 @@ impl prost::Message for SaveRequest {
 
     fn clear(&mut self) {
         *self = Self::default();
+    }
+}
+
+/// Adds `message.field` to a decode error's location (as the generated code does).
+fn at(message: &'static str, field: &'static str) -> impl Fn(DecodeError) -> DecodeError {
+    move |mut e| {
+        e.push(message, field);
+        e
     }
 }
 
