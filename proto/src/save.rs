@@ -253,36 +253,38 @@ pub struct SaveLayer {
 }
 
 impl SaveLayer {
+    /// Appends one `block_hashes` entry (its length, then its bytes) read from `buf`. On the
+    /// first hash the list is sized from the block ids already decoded (one hash each, as long
+    /// as the first), so it is allocated about once; without ids it grows as it goes.
+    fn merge_hash(&mut self, buf: &mut impl Buf) -> Result<(), DecodeError> {
+        let len = decode_varint(buf)?;
+        if len > buf.remaining() as u64 {
+            return Err(buffer_underflow());
+        }
+        let len = len as usize;
+        if self.block_hashes.ends.capacity() == 0 && !self.block_ids.is_empty() {
+            // One hash per block id (field 2 comes first on the wire), each as long as the
+            // first: sized once for a well-formed layer, never more than the ids and what is
+            // left of the buffer allow.
+            let n = self.block_ids.len();
+            self.block_hashes.ends.reserve(n);
+            self.block_hashes
+                .bytes
+                .reserve(n.saturating_mul(len).min(buf.remaining()));
+        }
+        self.block_hashes.push_from(buf, len)
+    }
+
     /// Merges the fields encoded in `s` (one whole `SaveLayer` body) into `self`: hashes and
     /// packed block ids in a loop over the slice, anything else through
-    /// [`prost::Message::merge_field`]. On its first hash the hash list is sized from the
-    /// block ids already decoded (one hash each, as long as the first), so it is allocated
-    /// about once; without ids it grows as it goes.
+    /// [`prost::Message::merge_field`].
     fn merge_slice(&mut self, mut s: &[u8]) -> Result<(), DecodeError> {
         let at = |field| at(NAME, field);
-        let body = s.len();
         while !s.is_empty() {
             let (tag, wire_type) = decode_key(&mut s)?;
             match (tag, wire_type) {
                 (3, WireType::LengthDelimited) => {
-                    let len = decode_varint(&mut s).map_err(at("block_hashes"))?;
-                    if len > s.len() as u64 {
-                        return Err(at("block_hashes")(buffer_underflow()));
-                    }
-                    let len = len as usize;
-                    if self.block_hashes.ends.capacity() == 0 && !self.block_ids.is_empty() {
-                        // One hash per block id (field 2 comes first on the wire), each at
-                        // most as long as what is left of the body: sized once for a
-                        // well-formed layer, never more than the ids and the body allow.
-                        let n = self.block_ids.len();
-                        self.block_hashes.ends.reserve(n);
-                        self.block_hashes
-                            .bytes
-                            .reserve(n.saturating_mul(len).min(body));
-                    }
-                    self.block_hashes
-                        .push_from(&mut s, len)
-                        .map_err(at("block_hashes"))?;
+                    self.merge_hash(&mut s).map_err(at("block_hashes"))?;
                 }
                 (2, WireType::LengthDelimited) => {
                     let len = decode_varint(&mut s).map_err(at("block_ids"))?;
@@ -341,15 +343,9 @@ impl prost::Message for SaveLayer {
             1 => string::merge(wire_type, &mut self.layer_name, buf, ctx).map_err(at("layer_name")),
             2 => uint32::merge_repeated(wire_type, &mut self.block_ids, buf, ctx)
                 .map_err(at("block_ids")),
-            3 => (|| {
-                check_wire_type(WireType::LengthDelimited, wire_type)?;
-                let len = decode_varint(buf)?;
-                if len > buf.remaining() as u64 {
-                    return Err(buffer_underflow());
-                }
-                self.block_hashes.push_from(buf, len as usize)
-            })()
-            .map_err(at("block_hashes")),
+            3 => check_wire_type(WireType::LengthDelimited, wire_type)
+                .and_then(|()| self.merge_hash(buf))
+                .map_err(at("block_hashes")),
             _ => skip_field(wire_type, tag, buf, ctx),
         }
     }

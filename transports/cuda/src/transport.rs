@@ -723,34 +723,13 @@ impl Worker {
                 "cuStreamCreate",
             )?;
         }
-        let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
-            | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-        let mut done: Vec<sys::CUevent> = vec![std::ptr::null_mut(); n];
-        for e in &mut done {
-            // SAFETY: out-pointer to a live array slot; the context is current.
-            check(unsafe { sys::cuEventCreate(e, flags) }, "cuEventCreate")?;
-        }
-        let mut polled: Vec<sys::CUevent> = vec![std::ptr::null_mut(); n];
-        for e in &mut polled {
-            check(
-                // SAFETY: out-pointer to a live array slot; the context is current.
-                unsafe {
-                    sys::cuEventCreate(e, sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32)
-                },
-                "cuEventCreate",
-            )?;
-        }
-        let mut uploaded: sys::CUevent = std::ptr::null_mut();
-        check(
-            // SAFETY: as above.
-            unsafe {
-                sys::cuEventCreate(
-                    &mut uploaded,
-                    sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32,
-                )
-            },
-            "cuEventCreate",
-        )?;
+        let done = (0..n)
+            .map(|_| new_event(true))
+            .collect::<Result<Vec<_>, _>>()?;
+        let polled = (0..n)
+            .map(|_| new_event(false))
+            .collect::<Result<Vec<_>, _>>()?;
+        let uploaded = new_event(false)?;
         let kernel = match load_kernel() {
             Ok(f) => Some(f),
             Err(e) => {
@@ -807,16 +786,13 @@ impl Worker {
         self.since_mark = 0;
         let m = self.marks.len();
         if m == self.mark_events.len() {
-            let mut e: sys::CUevent = std::ptr::null_mut();
-            let flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32
-                | sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-            // SAFETY: out-pointer to a live local; the context is current.
-            let r = unsafe { sys::cuEventCreate(&mut e, flags) };
-            if let Err(e) = check(r, "cuEventCreate") {
-                tracing::debug!(ordinal = self.ordinal, "no wait mark: {}", e.0);
-                return;
+            match new_event(true) {
+                Ok(e) => self.mark_events.push(e),
+                Err(e) => {
+                    tracing::debug!(ordinal = self.ordinal, "no wait mark: {}", e.0);
+                    return;
+                }
             }
-            self.mark_events.push(e);
         }
         match record(self.mark_events[m], self.streams[k]) {
             Ok(()) => self.marks.push((self.enqueued, m)),
@@ -836,8 +812,7 @@ impl Worker {
                 let end = self.enqueued;
                 let tail = self.cfg.tail_bytes;
                 if let Some(&(_, m)) = self.marks.iter().rev().find(|(at, _)| at + tail <= end) {
-                    // SAFETY: an event of this context, recorded in this batch.
-                    let _ = unsafe { sys::cuEventSynchronize(self.mark_events[m]) };
+                    let _ = wait_event(self.mark_events[m]);
                 }
                 Some(POLL_LIMIT)
             }
@@ -1365,6 +1340,19 @@ impl Drop for Worker {
             }
         }
     }
+}
+
+/// A timing-free event of the current context; `blocking`: a wait on it sleeps
+/// (`CU_EVENT_BLOCKING_SYNC`) rather than spins.
+fn new_event(blocking: bool) -> Result<sys::CUevent, CudaError> {
+    let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
+    if blocking {
+        flags |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
+    }
+    let mut e: sys::CUevent = std::ptr::null_mut();
+    // SAFETY: out-pointer to a live local; the caller's context is current.
+    let r = unsafe { sys::cuEventCreate(&mut e, flags) };
+    check(r, "cuEventCreate").map(|()| e)
 }
 
 /// Records `ev` on `stream`, both of the calling worker's context.
