@@ -806,6 +806,9 @@ async fn handle_connection(
         shared: shared.clone(),
         _permit: permit,
     };
+    // Declared after the gauge's guard, so dropped before it: the gauge counts a connection
+    // until its socket is closed.
+    let stream = stream;
     let outcome = tokio::select! {
         // The channel is closing: drop the connection without touching the map.
         _ = stopped(&mut shutdown) => return,
