@@ -12,9 +12,10 @@
 //! - `memcpy`: `copy_from_slice` of the same blocks between two pre-touched 32 MiB buffers.
 //!
 //! After each size's benchmarks it prints the per-phase breakdown of 20 more engine Saves and
-//! Loads (`phases save 8KiB: …`), from the server's `pegaflow_rpc_phase_seconds` series, plus
-//! the time to decode the Save request (its protobuf bytes into the wire message, then
-//! `decode::save`; outside the engine). Set `PF_BENCH_PHASES_ONLY=1` to skip the criterion groups and print only those.
+//! Loads (`phases save 8KiB: …`; `PF_BENCH_PHASE_REPS` sets how many), from the server's
+//! `pegaflow_rpc_phase_seconds` series, plus the time to decode the Save request (its protobuf
+//! bytes into the wire message, then `decode::save`; outside the engine). Set
+//! `PF_BENCH_PHASES_ONLY=1` to skip the criterion groups and print only those.
 //!
 //! The layout can be changed for the phase breakdown: `PF_BENCH_LAYERS` (default 1) layers per
 //! block, `PF_BENCH_SIZES` (comma-separated bytes per layer per block, default the sizes
@@ -104,6 +105,7 @@ fn transfer_benches(c: &mut Criterion) {
     let phases_only = std::env::var_os("PF_BENCH_PHASES_ONLY").is_some();
     let layers: usize = env_or("PF_BENCH_LAYERS", 1);
     let batch: usize = env_or("PF_BENCH_BATCH", BATCH);
+    let reps: u32 = env_or("PF_BENCH_PHASE_REPS", 20).max(1);
     let sizes: Vec<usize> = match std::env::var("PF_BENCH_SIZES") {
         Ok(v) => v
             .split(',')
@@ -215,11 +217,11 @@ fn transfer_benches(c: &mut Criterion) {
         }
         g.finish();
 
-        // The phase breakdown of 20 engine Saves and Loads, and the Save request's decoding.
+        // The phase breakdown of `reps` engine Saves and Loads, and the Save request's decoding.
         let m = fx.engine().metrics().clone();
         let before = phase_snapshot(&m);
         let mut decode = Duration::ZERO;
-        for _ in 0..20 {
+        for _ in 0..reps {
             let h = fresh(n);
             let wire = pegaflow_proto::SaveRequest {
                 instance_id: fx.instance.clone(),
@@ -260,7 +262,7 @@ fn transfer_benches(c: &mut Criterion) {
             &what,
             &before,
             &after,
-            decode.as_secs_f64() / 20.0 * 1e6,
+            decode.as_secs_f64() / reps as f64 * 1e6,
             batch,
         );
         rt.block_on(fx.server.shutdown());

@@ -397,6 +397,15 @@ fn prefetch<T>(p: *const T) {
     let _ = p;
 }
 
+/// Prefetches the first two cache lines of a block's shared allocation (its reference counts
+/// and the block's fields).
+fn prefetch_block(b: &Arc<SealedBlock>) {
+    // The counts sit just before the data, in the same allocation.
+    let p = Arc::as_ptr(b).cast::<u8>().wrapping_sub(16);
+    prefetch(p);
+    prefetch(p.wrapping_add(64));
+}
+
 /// The sharded index.
 pub struct BlockIndex {
     shards: Vec<Mutex<Shard>>,
@@ -851,18 +860,24 @@ impl BlockIndex {
         max_blocks: usize,
         keys: bool,
     ) -> Vec<Evicted> {
-        let mut out: Vec<Node> = Vec::new();
         if max_blocks == 0 {
             return Vec::new();
         }
         let mut guards: Vec<MutexGuard<'_, Shard>> = self.shards.iter().map(|s| s.lock()).collect();
         // Each shard's oldest evictable entry, with its stamp: (stamp, slot), u64::MAX if none.
-        // The entry after it is prefetched: it is read when this one is taken, by which time
-        // the other shards' turns have usually let it arrive.
+        // Two entries ahead are prefetched, so that by a shard's next turn (the other shards'
+        // turns in between) the next candidate's node and its block's reference count (read by
+        // `evictable`, in the same lines as its footprint) have arrived: the entry after the
+        // candidate was prefetched on the previous turn, so its node is read now for its block
+        // and for the entry after it.
         let head_of = |g: &Shard, from: u32| match g.evictable_from(from) {
             Some(i) => {
                 let n = g.node(i);
-                g.prefetch_node(n.prev);
+                if n.prev != NIL {
+                    let next = g.node(n.prev);
+                    prefetch_block(&next.block);
+                    g.prefetch_node(next.prev);
+                }
                 (n.stamp, i)
             }
             None => (u64::MAX, NIL),
@@ -898,34 +913,34 @@ impl BlockIndex {
                 g.table.find_bucket_index(g.node(i).tag, |&(j, _)| j == i)
             })
             .collect();
-        out.reserve(victims.len());
+        // Each removed node goes straight into its `Evicted` (one move, no list of nodes).
+        let mut out: Vec<Evicted> = Vec::with_capacity(victims.len());
+        let mut unwritten = 0u64;
         for (&(si, i), b) in victims.iter().zip(buckets) {
-            out.push(guards[si].remove_at(i, b));
+            let n = guards[si].remove_at(i, b);
+            if !n.written_below {
+                unwritten += n.block.footprint;
+            }
+            out.push(if keys {
+                Evicted::from(n)
+            } else {
+                Evicted {
+                    key: BlockKey {
+                        namespace: n.namespace,
+                        group: n.group,
+                        hash: Box::default(),
+                    },
+                    block: n.block,
+                    written_below: n.written_below,
+                }
+            });
         }
         drop(guards);
-        let unwritten: u64 = out
-            .iter()
-            .filter(|n| !n.written_below)
-            .map(|n| n.block.footprint)
-            .sum();
         self.resident_bytes.fetch_sub(freed, Ordering::Relaxed);
         self.resident_blocks
             .fetch_sub(out.len() as u64, Ordering::Relaxed);
         self.unwritten_bytes.fetch_sub(unwritten, Ordering::Relaxed);
-        if keys {
-            return out.into_iter().map(Evicted::from).collect();
-        }
-        out.into_iter()
-            .map(|n| Evicted {
-                key: BlockKey {
-                    namespace: n.namespace,
-                    group: n.group,
-                    hash: Box::default(),
-                },
-                block: n.block,
-                written_below: n.written_below,
-            })
-            .collect()
+        out
     }
 
     /// Removes every block (the memory-cleanup endpoint), referenced or not. Referenced blocks

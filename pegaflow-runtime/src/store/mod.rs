@@ -29,7 +29,7 @@ pub use index::{BlockIndex, Evicted, NewBlock};
 pub use promote::PrefixAnswer;
 
 use crate::block::{BlockKey, KeyRef, SealedBlock};
-use crate::buffer::HostBuffer;
+use crate::buffer::{HostBuffer, ReleaseBatch};
 use crate::error::{EngineError, EngineResult};
 use crate::metrics::Metrics;
 use crate::plugin::{HostPool, Tier};
@@ -491,8 +491,13 @@ impl TierStack {
                 evicted += batch.len() as u64;
                 self.note_evictions(&batch, "pressure", keys);
                 let before = self.pool.used_bytes();
-                for e in batch {
-                    self.demote(e);
+                {
+                    // The dropped blocks' memory goes back together (one lock per pool shard,
+                    // not one per block), before the free bytes are read again.
+                    let _batch = ReleaseBatch::open();
+                    for e in batch {
+                        self.demote(e);
+                    }
                 }
                 let freed = before.saturating_sub(self.pool.used_bytes());
                 self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);

@@ -435,39 +435,9 @@ impl Pool {
 
 impl HostMemory for Pool {
     fn release(&self, extents: &[Extent]) {
-        if let [e] = extents {
-            // The usual case, a buffer of one extent: no list to build.
-            let Some((o, l)) = self.reserved_range(e) else {
-                tracing::error!(
-                    addr = e.addr,
-                    len = e.len,
-                    "dram pool: released extent is not one of ours; leaked"
-                );
-                return;
-            };
-            let shard = &self.shards[self.shard_index(o)];
-            if !shard.holds(o, l) {
-                tracing::error!(
-                    bytes = l,
-                    "dram pool: released extent crosses its shard; leaked"
-                );
-                return;
-            }
-            // Queued on the shard's free list (merged with its neighbours in one pass later;
-            // counted free at once, and every search settles the queue first).
-            let refused = {
-                let mut fl = shard.free.lock();
-                fl.defer(o, l);
-                fl.take_refused()
-            };
-            self.used.fetch_sub(l, Ordering::Relaxed);
-            if refused > 0 {
-                self.used.fetch_add(refused, Ordering::Relaxed);
-                tracing::error!(
-                    bytes = refused,
-                    "dram pool: released extents overlap free memory (double free?); ignored"
-                );
-            }
+        if let [_] = extents {
+            // The usual case, a buffer of one extent: queued on its shard's free list.
+            self.release_many(extents);
             return;
         }
         let Some(first) = extents.first() else {
@@ -508,6 +478,73 @@ impl HostMemory for Pool {
         // over-report, never under-report, so a caller that sees free bytes can allocate them.
         self.used.fetch_sub(total - refused, Ordering::Relaxed);
         if refused > 0 {
+            tracing::error!(
+                bytes = refused,
+                "dram pool: released extents overlap free memory (double free?); ignored"
+            );
+        }
+    }
+
+    /// Buffers of one extent each, queued on their shards' free lists (merged with their
+    /// neighbours in one pass later; counted free at once, and every search settles the
+    /// queue first), each shard's lock taken once for its run of extents.
+    fn release_many(&self, extents: &[Extent]) {
+        if let [e] = extents {
+            // One buffer: no list to build.
+            if let Some((si, o, l)) = self.shard_range(e) {
+                self.queue_free(&[(si, o, l)]);
+            }
+            return;
+        }
+        // (shard, offset, reserved length) of each extent that is ours, by shard.
+        let mut ranges: Vec<(usize, usize, usize)> =
+            extents.iter().filter_map(|e| self.shard_range(e)).collect();
+        ranges.sort_unstable_by_key(|r| r.0);
+        self.queue_free(&ranges);
+    }
+}
+
+impl Pool {
+    /// The shard and reserved range `(shard, offset, length)` of a released single-extent
+    /// buffer; `None` (logged: the memory is leaked, never reused wrongly) when it is not
+    /// one of ours or crosses its shard.
+    fn shard_range(&self, e: &Extent) -> Option<(usize, usize, usize)> {
+        let Some((o, l)) = self.reserved_range(e) else {
+            tracing::error!(
+                addr = e.addr,
+                len = e.len,
+                "dram pool: released extent is not one of ours; leaked"
+            );
+            return None;
+        };
+        let si = self.shard_index(o);
+        if !self.shards[si].holds(o, l) {
+            tracing::error!(
+                bytes = l,
+                "dram pool: released extent crosses its shard; leaked"
+            );
+            return None;
+        }
+        Some((si, o, l))
+    }
+
+    /// Queues `ranges` (`(shard, offset, length)`, grouped by shard) on their shards' free
+    /// lists, each shard's lock taken once per run.
+    fn queue_free(&self, ranges: &[(usize, usize, usize)]) {
+        let (mut released, mut refused) = (0usize, 0usize);
+        for run in ranges.chunk_by(|a, b| a.0 == b.0) {
+            let mut fl = self.shards[run[0].0].free.lock();
+            for &(_, o, l) in run {
+                fl.defer(o, l);
+                released += l;
+            }
+            refused += fl.take_refused();
+        }
+        // A deferred range is counted free at once; one refused while settling is counted
+        // back (it had been counted free when queued).
+        self.used.fetch_sub(released, Ordering::Relaxed);
+        if refused > 0 {
+            self.used.fetch_add(refused, Ordering::Relaxed);
             tracing::error!(
                 bytes = refused,
                 "dram pool: released extents overlap free memory (double free?); ignored"

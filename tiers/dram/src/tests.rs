@@ -2,6 +2,7 @@
 
 use super::*;
 
+use pegaflow_runtime::buffer::ReleaseBatch;
 use pegaflow_runtime::Extent;
 use proptest::prelude::*;
 
@@ -200,6 +201,38 @@ fn batch_is_carved_contiguously_and_frees_per_block() {
     drop(bufs);
     assert_eq!(t.used_bytes(), 0);
     assert_eq!(t.free_extents_per_shard(), vec![1]);
+}
+
+#[test]
+fn a_release_batch_returns_buffers_of_every_shard_when_it_closes() {
+    let t = tier(16 * 4096, 4);
+    let bufs: Vec<HostBuffer> = (0..16).map(|_| t.allocate(4096).unwrap()).collect();
+    assert_eq!(t.used_bytes(), 16 * 4096);
+    assert!(t.allocate(1).is_none());
+    let mut bufs = bufs;
+    let kept = bufs.split_off(12);
+    {
+        let _batch = ReleaseBatch::open();
+        drop(bufs);
+        // Counted used until the batch closes.
+        assert_eq!(t.used_bytes(), 16 * 4096);
+    }
+    assert_eq!(t.used_bytes(), 4 * 4096);
+    assert_eq!(t.free_bytes_per_shard().iter().sum::<usize>(), 12 * 4096);
+    // The memory is reusable at once, and the kept buffers are untouched by it.
+    for (i, b) in kept.iter().enumerate() {
+        fill(b, i as u32);
+    }
+    let again: Vec<HostBuffer> = (0..12).map(|_| t.allocate(4096).unwrap()).collect();
+    for (i, b) in again.iter().enumerate() {
+        fill(b, 100 + i as u32);
+    }
+    for (i, b) in kept.iter().enumerate() {
+        assert!(check(b, i as u32));
+    }
+    drop((again, kept));
+    assert_eq!(t.used_bytes(), 0);
+    assert_eq!(t.free_extents_per_shard(), vec![1; 4]);
 }
 
 #[test]
@@ -469,6 +502,8 @@ enum Op {
     Alloc(usize),
     Batch(Vec<usize>),
     Free(usize),
+    /// Drops up to this many live buffers inside one `ReleaseBatch`.
+    FreeMany(usize),
 }
 
 fn size() -> impl Strategy<Value = usize> {
@@ -480,6 +515,7 @@ fn op() -> impl Strategy<Value = Op> {
         4 => size().prop_map(Op::Alloc),
         1 => prop::collection::vec(size(), 1..5).prop_map(Op::Batch),
         4 => any::<prop::sample::Index>().prop_map(|i| Op::Free(i.index(usize::MAX))),
+        1 => (1usize..12).prop_map(Op::FreeMany),
     ]
 }
 
@@ -530,6 +566,18 @@ proptest! {
                             }
                         }
                     }
+                }
+                Op::FreeMany(n) => {
+                    let batch = ReleaseBatch::open();
+                    let mut fp = 0;
+                    for _ in 0..n.min(live.len()) {
+                        let (b, _) = live.swap_remove(0);
+                        fp += t.footprint_bytes(b.len());
+                    }
+                    // Buffers of one extent come back when the batch closes; others at once.
+                    prop_assert!(t.used_bytes() <= expect_used);
+                    drop(batch);
+                    expect_used -= fp;
                 }
                 Op::Free(i) => {
                     for (b, id) in &live {
