@@ -51,28 +51,46 @@ thread_local! {
 
 /// While open, the single-extent [`HostBuffer`]s dropped on this thread give their memory
 /// back together, in one [`HostMemory::release_many`] call when the last open batch closes
-/// (or when a buffer of another memory is dropped), instead of one release each. For a caller
-/// that drops many buffers in a row (an eviction batch: 256 blocks of 8 KiB would otherwise
-/// take the pool's lock 256 times). Memory counts as free only once the batch closes.
-/// Not `Send`: it belongs to the thread that opened it.
+/// (or, for what was collected so far, when a buffer of another memory is dropped), instead
+/// of one release each. For a caller that drops many buffers in a row (an eviction batch: 256
+/// blocks of 8 KiB would otherwise take the pool's lock 256 times). Not `Send`: it belongs to
+/// the thread that opened it.
+///
+/// Hazards: memory counts as free only once the batch closes, so nothing that waits for free
+/// memory (an allocation that evicts) may run inside one ([`ReleaseBatch::is_open`]); and a
+/// batch that is leaked (`mem::forget`) defers every later release on its thread for good.
 pub struct ReleaseBatch {
     _thread: PhantomData<*const ()>,
 }
 
 impl ReleaseBatch {
-    /// Opens a batch on the current thread.
+    /// Opens a batch on the current thread. During the thread's teardown it defers nothing.
     pub fn open() -> Self {
-        DEFERRED.with(|d| d.borrow_mut().open += 1);
+        let _ = DEFERRED.try_with(|d| d.borrow_mut().open += 1);
         Self {
             _thread: PhantomData,
         }
     }
+
+    /// Whether a batch is open on the current thread.
+    pub fn is_open() -> bool {
+        DEFERRED
+            .try_with(|d| d.try_borrow().is_ok_and(|d| d.open > 0))
+            .unwrap_or(false)
+    }
 }
+
+/// Entries of the collected list kept allocated for a thread's next batch.
+const KEPT_EXTENTS: usize = 4096;
 
 impl Drop for ReleaseBatch {
     fn drop(&mut self) {
-        let taken = DEFERRED.with(|d| {
+        let taken = DEFERRED.try_with(|d| {
             let mut d = d.borrow_mut();
+            // Not counted when opened during teardown.
+            if d.open == 0 {
+                return None;
+            }
             d.open -= 1;
             if d.open > 0 {
                 return None;
@@ -80,12 +98,12 @@ impl Drop for ReleaseBatch {
             let owner = d.owner.take()?;
             Some((owner, std::mem::take(&mut d.extents)))
         });
-        if let Some((owner, extents)) = taken {
+        if let Ok(Some((owner, extents))) = taken {
             owner.release_many(&extents);
-            // The list's capacity is kept for the thread's next batch.
-            DEFERRED.with(|d| {
+            // The list's allocation is kept for the thread's next batch (up to a bound).
+            let _ = DEFERRED.try_with(|d| {
                 let mut d = d.borrow_mut();
-                if d.extents.capacity() < extents.capacity() {
+                if d.extents.capacity() < extents.capacity() && extents.capacity() <= KEPT_EXTENTS {
                     let mut extents = extents;
                     extents.clear();
                     d.extents = extents;

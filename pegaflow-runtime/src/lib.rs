@@ -22,7 +22,7 @@ pub mod numa;
 pub mod plugin;
 pub mod store;
 
-pub use buffer::{Extent, HostBuffer, HostMemory};
+pub use buffer::{Extent, HostBuffer, HostMemory, ReleaseBatch};
 pub use plugin::*;
 
 pub mod http;

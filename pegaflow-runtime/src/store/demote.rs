@@ -290,7 +290,11 @@ async fn write_queued(sh: &Shared, batch: Vec<TierPut>) {
             s.metrics.tier_demotion_queue_bytes.set(st.bytes as i64);
         }
     }
-    drop(freed);
+    {
+        // Their memory goes back together (one pool lock per shard, not one per block).
+        let _batch = crate::buffer::ReleaseBatch::open();
+        drop(freed);
+    }
     if let Some(s) = &stack {
         count_results(sh, s, &keys, &results);
     }

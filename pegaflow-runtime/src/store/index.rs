@@ -400,7 +400,8 @@ fn prefetch<T>(p: *const T) {
 /// Prefetches the first two cache lines of a block's shared allocation (its reference counts
 /// and the block's fields).
 fn prefetch_block(b: &Arc<SealedBlock>) {
-    // The counts sit just before the data, in the same allocation.
+    // A guess at the layout (std does not promise it): the two counts just before the data,
+    // in the same allocation. A wrong address only wastes the hint.
     let p = Arc::as_ptr(b).cast::<u8>().wrapping_sub(16);
     prefetch(p);
     prefetch(p.wrapping_add(64));
@@ -913,34 +914,35 @@ impl BlockIndex {
                 g.table.find_bucket_index(g.node(i).tag, |&(j, _)| j == i)
             })
             .collect();
-        // Each removed node goes straight into its `Evicted` (one move, no list of nodes).
-        let mut out: Vec<Evicted> = Vec::with_capacity(victims.len());
+        // Only moves under the locks: the keys are built (and heap hashes freed) after.
+        let mut out: Vec<Node> = Vec::with_capacity(victims.len());
         let mut unwritten = 0u64;
         for (&(si, i), b) in victims.iter().zip(buckets) {
             let n = guards[si].remove_at(i, b);
             if !n.written_below {
                 unwritten += n.block.footprint;
             }
-            out.push(if keys {
-                Evicted::from(n)
-            } else {
-                Evicted {
-                    key: BlockKey {
-                        namespace: n.namespace,
-                        group: n.group,
-                        hash: Box::default(),
-                    },
-                    block: n.block,
-                    written_below: n.written_below,
-                }
-            });
+            out.push(n);
         }
         drop(guards);
         self.resident_bytes.fetch_sub(freed, Ordering::Relaxed);
         self.resident_blocks
             .fetch_sub(out.len() as u64, Ordering::Relaxed);
         self.unwritten_bytes.fetch_sub(unwritten, Ordering::Relaxed);
-        out
+        if keys {
+            return out.into_iter().map(Evicted::from).collect();
+        }
+        out.into_iter()
+            .map(|n| Evicted {
+                key: BlockKey {
+                    namespace: n.namespace,
+                    group: n.group,
+                    hash: Box::default(),
+                },
+                block: n.block,
+                written_below: n.written_below,
+            })
+            .collect()
     }
 
     /// Removes every block (the memory-cleanup endpoint), referenced or not. Referenced blocks

@@ -458,6 +458,11 @@ impl TierStack {
     /// RESOURCE_EXHAUSTED when the request exceeds the pool, or when every resident block is
     /// referenced.
     pub fn allocate(&self, lens: &[usize]) -> EngineResult<Vec<HostBuffer>> {
+        // What an outer batch defers would never count as free here.
+        debug_assert!(
+            !ReleaseBatch::is_open(),
+            "TierStack::allocate inside a ReleaseBatch"
+        );
         let need: u64 = lens
             .iter()
             .map(|&l| self.pool.footprint_bytes(l))
@@ -492,8 +497,9 @@ impl TierStack {
                 self.note_evictions(&batch, "pressure", keys);
                 let before = self.pool.used_bytes();
                 {
-                    // The dropped blocks' memory goes back together (one lock per pool shard,
-                    // not one per block), before the free bytes are read again.
+                    // The dropped blocks' memory goes back together (without a lower tier a
+                    // batch holds up to 256 blocks: the DRAM pool takes each shard's lock once
+                    // for them, not once per block), before the free bytes are read again.
                     let _batch = ReleaseBatch::open();
                     for e in batch {
                         self.demote(e);

@@ -541,10 +541,14 @@ impl Pool {
             refused += fl.take_refused();
         }
         // A deferred range is counted free at once; one refused while settling is counted
-        // back (it had been counted free when queued).
-        self.used.fetch_sub(released, Ordering::Relaxed);
+        // back (it had been counted free when queued, maybe by an earlier call). One net
+        // adjustment, so that the count never wraps below zero, even for a moment.
+        if released >= refused {
+            self.used.fetch_sub(released - refused, Ordering::Relaxed);
+        } else {
+            self.used.fetch_add(refused - released, Ordering::Relaxed);
+        }
         if refused > 0 {
-            self.used.fetch_add(refused, Ordering::Relaxed);
             tracing::error!(
                 bytes = refused,
                 "dram pool: released extents overlap free memory (double free?); ignored"
