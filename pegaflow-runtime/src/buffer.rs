@@ -100,15 +100,18 @@ impl Drop for ReleaseBatch {
         });
         if let Ok(Some((owner, extents))) = taken {
             owner.release_many(&extents);
-            // The list's allocation is kept for the thread's next batch (up to a bound).
-            let _ = DEFERRED.try_with(|d| {
-                let mut d = d.borrow_mut();
-                if d.extents.capacity() < extents.capacity() && extents.capacity() <= KEPT_EXTENTS {
-                    let mut extents = extents;
-                    extents.clear();
-                    d.extents = extents;
-                }
-            });
+            // The list's allocation is kept for the thread's next batch (up to a bound), in
+            // place of the empty one the take above left.
+            if extents.capacity() <= KEPT_EXTENTS {
+                let mut extents = extents;
+                extents.clear();
+                let _ = DEFERRED.try_with(|d| {
+                    let mut d = d.borrow_mut();
+                    if d.extents.is_empty() {
+                        d.extents = extents;
+                    }
+                });
+            }
         }
     }
 }
