@@ -16,8 +16,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    parse_settings, ConfigSchema, CopyBatch, Direction, HostRegion, MemorySpace, RuntimeContext,
-    Transport, TransportError, TransportFactory,
+    parse_settings, ConfigSchema, CopyBatch, Direction, HostRegion, MemorySpace, OpParts,
+    RuntimeContext, Transport, TransportError, TransportFactory,
 };
 use serde::Deserialize;
 
@@ -76,6 +76,12 @@ impl Transport for VerifyingMemcpy {
         })
         .await
         .map_err(|e| TransportError(format!("copy thread failed: {e}")))?
+    }
+
+    /// Gathers the parts and verifies them as one batch.
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+        let batch = parts.gather(batch).await?;
+        self.copy(batch).await
     }
 }
 

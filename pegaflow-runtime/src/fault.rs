@@ -21,8 +21,8 @@ use async_trait::async_trait;
 use crate::block::{BlockKey, BlockShape};
 use crate::buffer::HostBuffer;
 use crate::plugin::{
-    CopyBatch, HostPool, HostRegion, MemorySpace, Recovered, Tier, TierCapabilities, TierError,
-    TierGet, TierPut, Transport, TransportError,
+    CopyBatch, HostPool, HostRegion, MemorySpace, OpParts, Recovered, Tier, TierCapabilities,
+    TierError, TierGet, TierPut, Transport, TransportError,
 };
 
 /// A shared switchboard of faults; clone the `Arc` into the test and into one or more wrappers.
@@ -386,6 +386,13 @@ impl Transport for FaultyTransport {
             "injected fault: copy of {ops} ops failed"
         )))
     }
+
+    /// Gathers the parts and runs them as one [`Transport::copy`] (faults count calls, not
+    /// parts).
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+        let batch = parts.gather(batch).await?;
+        self.copy(batch).await
+    }
 }
 
 #[cfg(test)]
@@ -499,6 +506,10 @@ mod tests {
             }
             self.batches.fetch_add(1, Ordering::SeqCst);
             Ok(())
+        }
+        async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+            let batch = parts.gather(batch).await?;
+            self.copy(batch).await
         }
     }
 

@@ -25,8 +25,8 @@ use crate::block::{BlockKey, BlockShape};
 use crate::fault::{FaultControl, FaultyTier, FaultyTransport};
 use crate::plugin::{
     check_parses, defaults_of, parse_settings, ConfigSchema, CopyBatch, HostRegion, LayerContext,
-    LayerFactory, MemorySpace, PluginOption, Recovered, Tier, TierCapabilities, TierError, TierGet,
-    TierPut, Transport, TransportError,
+    LayerFactory, MemorySpace, OpParts, PluginOption, Recovered, Tier, TierCapabilities, TierError,
+    TierGet, TierPut, Transport, TransportError,
 };
 
 /// The `metrics` layer's settings: none.
@@ -159,13 +159,39 @@ impl Transport for MeteredTransport {
         self.inner.install_host_memory(regions)
     }
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
-        let dir = match batch.direction {
+        let (dir, bytes) = (batch.direction, batch_bytes(&batch));
+        let t0 = Instant::now();
+        let r = self.inner.copy(batch).await;
+        self.record(dir, bytes, t0, &r);
+        r
+    }
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+        let (dir, head) = (batch.direction, batch_bytes(&batch));
+        let tally = parts.tally();
+        let t0 = Instant::now();
+        let r = self.inner.copy_parts(batch, parts).await;
+        self.record(dir, head + tally.bytes(), t0, &r);
+        r
+    }
+}
+
+fn batch_bytes(batch: &CopyBatch) -> u64 {
+    batch.ops.iter().map(|o| o.len as u64).sum()
+}
+
+impl MeteredTransport {
+    /// Counts one finished batch of `bytes` begun at `t0`.
+    fn record(
+        &self,
+        dir: crate::plugin::Direction,
+        bytes: u64,
+        t0: Instant,
+        r: &Result<(), TransportError>,
+    ) {
+        let dir = match dir {
             crate::plugin::Direction::ToHost => "d2h",
             crate::plugin::Direction::ToDevice => "h2d",
         };
-        let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
-        let t0 = Instant::now();
-        let r = self.inner.copy(batch).await;
         let k = self.inner.kind();
         let m = &self.ctx.metrics;
         m.transport_batches
@@ -177,7 +203,6 @@ impl Transport for MeteredTransport {
         if r.is_ok() {
             m.transport_bytes.with_label_values(&[k, dir]).inc_by(bytes);
         }
-        r
     }
 }
 

@@ -143,7 +143,8 @@ pub enum SavePhase {
     Plan,
     /// Host buffers from the pool, evicting least recently used blocks under pressure.
     Allocate,
-    /// Building the copy ops, and the batched device → host copy to completion.
+    /// Building the copy ops, handed to the transport in parts while the first ones copy,
+    /// and the batched device → host copy to completion.
     Copy,
     /// Sealing the complete blocks and indexing them, on the seal thread after the Save
     /// answered (not part of `total`).
@@ -183,9 +184,10 @@ pub enum LoadPhase {
     /// Completion word attached, worker, ranks and groups resolved, every lease and target
     /// checked.
     Validate,
-    /// The leases consumed and the copy ops built.
+    /// The leases consumed (the copy ops are built in the `copy` phase).
     Plan,
-    /// The batched host → device copy to completion.
+    /// Building the copy ops, handed to the transport in parts while the first ones copy,
+    /// and the batched host → device copy to completion.
     Copy,
     /// The completion word written.
     Complete,

@@ -114,6 +114,10 @@ impl Transport for ProbeTransport {
         event(format!("copy end {:?}", batch.direction));
         Ok(())
     }
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+        let batch = parts.gather(batch).await?;
+        self.copy(batch).await
+    }
 }
 
 inventory::submit! {

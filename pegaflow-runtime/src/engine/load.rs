@@ -25,12 +25,11 @@ use crate::error::{EngineError, EngineResult};
 use crate::metrics::{LoadPhase, Metrics, PhaseClock};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
-/// A validated load, leases consumed: the copy to run and what it must keep alive.
+/// A validated load, leases consumed: the blocks to copy (one list per lease of the
+/// command, in its order) and the worker they go to.
 struct Prepared {
     wl: WorkerLease,
-    ops: Vec<CopyOp>,
     blocks: Vec<Arc<[Arc<SealedBlock>]>>,
-    bytes: u64,
 }
 
 /// One layer of a load group: (name, registration, slot, offset in the slot).
@@ -40,6 +39,47 @@ type GroupLayer<'a> = (&'a str, &'a WorkerLayer, usize, usize);
 struct LoadGroup<'a> {
     layers: Vec<GroupLayer<'a>>,
     storage: u32,
+}
+
+/// Builds the ops of every targeted block, block by block, and hands them to the transport
+/// in parts while the copy runs ([`super::copy`]). Returns the bytes copied.
+async fn run_load_copy(p: Arc<Prepared>, cmd: &LoadCommand) -> EngineResult<u64> {
+    // Checked before the leases were consumed; resolved again here (the load's task owns
+    // the command now).
+    let groups = resolve_groups(&p.wl, cmd)?;
+    let batch = CopyBatch {
+        location: p.wl.worker.location,
+        direction: Direction::ToDevice,
+        mode: p.wl.instance.transfer_mode,
+        ops: Vec::new(),
+    };
+    let transport = p.wl.worker.transport.clone();
+    // The copy keeps the blocks and the worker's gate guard until it ends.
+    let keep = p.clone();
+    let (mut feed, copy) = super::copy::start_copy(transport, batch, keep).await;
+    for (ll, blocks) in cmd.leases.iter().zip(&p.blocks) {
+        for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
+            // Per layer, once: its device base address; and the bytes of one block over the
+            // group's layers.
+            let layers: Vec<(&WorkerLayer, u64, usize, usize)> = g
+                .layers
+                .iter()
+                .map(|&(_, l, slot, off)| (l, l.addr(0), slot, off))
+                .collect();
+            let per_block: u64 = layers.iter().map(|(l, ..)| l.layout.block_bytes()).sum();
+            for (b, t) in blocks.iter().zip(targets.iter()) {
+                let Some(dst) = *t else {
+                    continue;
+                };
+                for &(l, base, slot, off) in &layers {
+                    push_load_ops(feed.ops(), l, base, u64::from(dst), &b.slots[slot], off);
+                }
+                feed.block_done(per_block);
+            }
+        }
+    }
+    let bytes = feed.finish();
+    copy.wait().await.map(|()| bytes)
 }
 
 /// Appends ops copying `layer`'s block bytes of `slot` at `slot_off` into `layer`'s block
@@ -102,8 +142,9 @@ impl Engine {
                 self.metrics.load_failures.inc();
             });
         };
-        let task = copy_to_device(self.metrics.clone(), p, state, clock);
-        if cmd.completion == LoadCompletion::Wait {
+        let wait = cmd.completion == LoadCompletion::Wait;
+        let task = copy_to_device(self.metrics.clone(), p, cmd, state, clock);
+        if wait {
             task.await
         } else {
             tokio::spawn(task);
@@ -111,7 +152,7 @@ impl Engine {
         }
     }
 
-    /// Every check, then the leases consumed and the copy planned. `None`: nothing to load.
+    /// Every check, then the leases consumed. `None`: nothing to load.
     fn prepare_load(
         &self,
         cmd: &LoadCommand,
@@ -130,14 +171,13 @@ impl Engine {
         let leases = self.check_leases(&wl, cmd, &groups)?;
         let phases = &self.metrics.rpc_phases;
         clock.lap(phases.load(LoadPhase::Validate));
-        let (ops, blocks, bytes) = self.consume_and_plan(&wl, &groups, leases)?;
+        let mut blocks = Vec::with_capacity(leases.len());
+        for (id, _) in leases {
+            blocks.push(self.leases.consume(&id, &wl.instance.id)?);
+        }
+        self.metrics.leases_active.set(self.leases.len() as i64);
         clock.lap(phases.load(LoadPhase::Plan));
-        Ok(Some(Prepared {
-            wl,
-            ops,
-            blocks,
-            bytes,
-        }))
+        Ok(Some(Prepared { wl, blocks }))
     }
 
     /// Enters the instance's gate and resolves the loading worker: its TP rank as the client
@@ -207,57 +247,6 @@ impl Engine {
             leases.push((id, ll));
         }
         Ok(leases)
-    }
-
-    /// Consumes the checked leases and plans the copy of every targeted block.
-    #[allow(clippy::type_complexity)]
-    fn consume_and_plan(
-        &self,
-        wl: &WorkerLease,
-        groups: &[LoadGroup<'_>],
-        leases: Vec<([u8; LEASE_BYTES], &LeaseLoad)>,
-    ) -> EngineResult<(Vec<CopyOp>, Vec<Arc<[Arc<SealedBlock>]>>, u64)> {
-        // Every target names one block per layer of its group, each block at most `segments`
-        // ranges: reserve for that, so the vector never grows while it is filled.
-        let mut want = 0usize;
-        for (_, ll) in &leases {
-            for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
-                let per_block: usize = g
-                    .layers
-                    .iter()
-                    .map(|(_, l, _, _)| l.layout.segments() as usize)
-                    .sum();
-                want += targets.iter().flatten().count() * per_block;
-            }
-        }
-        let mut ops = Vec::with_capacity(want);
-        let mut held = Vec::with_capacity(leases.len());
-        let mut bytes = 0u64;
-        for (id, ll) in leases {
-            let blocks = self.leases.consume(&id, &wl.instance.id)?;
-            for (g, targets) in groups.iter().zip(&ll.targets_by_group) {
-                // Per layer, once: its device base address; and the bytes of one block over
-                // the group's layers.
-                let layers: Vec<(&WorkerLayer, u64, usize, usize)> = g
-                    .layers
-                    .iter()
-                    .map(|&(_, l, slot, off)| (l, l.addr(0), slot, off))
-                    .collect();
-                let per_block: u64 = layers.iter().map(|(l, ..)| l.layout.block_bytes()).sum();
-                for (b, t) in blocks.iter().zip(targets.iter()) {
-                    let Some(dst) = *t else {
-                        continue;
-                    };
-                    for &(l, base, slot, off) in &layers {
-                        push_load_ops(&mut ops, l, base, u64::from(dst), &b.slots[slot], off);
-                    }
-                    bytes += per_block;
-                }
-            }
-            held.push(blocks);
-        }
-        self.metrics.leases_active.set(self.leases.len() as i64);
-        Ok((ops, held, bytes))
     }
 }
 
@@ -425,20 +414,14 @@ fn check_group_targets(
 async fn copy_to_device(
     metrics: Arc<Metrics>,
     p: Prepared,
+    cmd: LoadCommand,
     state: Option<LoadStateWriter>,
     mut clock: PhaseClock,
 ) -> EngineResult<()> {
-    let transport = p.wl.worker.transport.clone();
-    let batch = CopyBatch {
-        location: p.wl.worker.location,
-        direction: Direction::ToDevice,
-        mode: p.wl.instance.transfer_mode,
-        ops: p.ops,
-    };
-    let bytes = p.bytes;
-    let keep = (p.blocks, p.wl);
     let t0 = Instant::now();
-    let r = Engine::run_copy(transport, batch, keep).await;
+    let r = run_load_copy(Arc::new(p), &cmd).await;
+    let bytes = *r.as_ref().unwrap_or(&0);
+    let r = r.map(drop);
     let phases = &metrics.rpc_phases;
     clock.lap(phases.load(LoadPhase::Copy));
     match &r {

@@ -16,6 +16,7 @@
 //! (copies, unmapping) runs on transports' threads and on the reaper thread.
 
 pub mod command;
+mod copy;
 mod instance;
 mod lease;
 mod load;
@@ -43,10 +44,10 @@ pub use sealer::{SealHold, MAX_PENDING_HASHES, MAX_PENDING_SEALS};
 
 use crate::buffer::HostBuffer;
 use crate::config::EngineConfig;
-use crate::error::{EngineError, EngineResult};
+use crate::error::EngineResult;
 use crate::fd_channel::FdChannel;
 use crate::metrics::Metrics;
-use crate::plugin::{CopyBatch, HostPool, Registrar, Tier, Transport};
+use crate::plugin::{HostPool, Registrar, Tier, Transport};
 use crate::store::{StoreConfig, TierStack};
 
 /// A block saved in part: the slots received so far, and who wrote them.
@@ -289,26 +290,6 @@ impl Engine {
             }
             m.fd_channel_pending.set(now.pending as i64);
             *seen = now;
-        }
-    }
-
-    /// Runs a copy to completion on its own task, so a cancelled RPC can never drop the
-    /// buffers or the registration while bytes are still moving. `keep` is held until the
-    /// copy has finished.
-    async fn run_copy<K: Send + 'static>(
-        transport: Arc<dyn Transport>,
-        batch: CopyBatch,
-        keep: K,
-    ) -> EngineResult<()> {
-        let h = tokio::spawn(async move {
-            let r = transport.copy(batch).await;
-            drop(keep);
-            r
-        });
-        match h.await {
-            Ok(Ok(())) => Ok(()),
-            Ok(Err(e)) => Err(EngineError::internal(format!("copy failed: {e}"))),
-            Err(e) => Err(EngineError::internal(format!("copy task failed: {e}"))),
         }
     }
 

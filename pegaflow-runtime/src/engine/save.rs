@@ -46,28 +46,39 @@ struct SavePlan<'a> {
     parts: Vec<(u32, &'a WorkerLayer, u32, usize)>,
 }
 
-/// The slot records of each of `n` blocks: `slots` ((block, slot, offset, length), in plan
-/// order) reordered block by block (stable), and where each block's records start
-/// (`starts[b]..starts[b + 1]`).
-fn slots_by_block(
+/// `items` of `n` blocks regrouped block by block (stable; `block` says whose an item is,
+/// `map` what is kept of it), and where each block's entries start (`starts[b]..starts[b +
+/// 1]`). A counting sort: two passes, no per-block allocation.
+fn group_by_block<T, U: Copy + Default>(
     n: usize,
-    slots: &[(u32, usize, usize, usize)],
-) -> (Vec<(usize, usize, usize)>, Vec<u32>) {
+    items: &[T],
+    block: impl Fn(&T) -> u32,
+    map: impl Fn(&T) -> U,
+) -> (Vec<U>, Vec<u32>) {
     let mut starts = vec![0u32; n + 1];
-    for &(b, ..) in slots {
-        starts[b as usize + 1] += 1;
+    for it in items {
+        starts[block(it) as usize + 1] += 1;
     }
     for b in 0..n {
         starts[b + 1] += starts[b];
     }
     let mut fill = starts.clone();
-    let mut out = vec![(0, 0, 0); slots.len()];
-    for &(b, slot, off, len) in slots {
-        let at = &mut fill[b as usize];
-        out[*at as usize] = (slot, off, len);
+    let mut out = vec![U::default(); items.len()];
+    for it in items {
+        let at = &mut fill[block(it) as usize];
+        out[*at as usize] = map(it);
         *at += 1;
     }
     (out, starts)
+}
+
+/// The slot records of each of `n` blocks: `slots` ((block, slot, offset, length), in plan
+/// order) as (slot, offset, length), block by block ([`group_by_block`]).
+fn slots_by_block(
+    n: usize,
+    slots: &[(u32, usize, usize, usize)],
+) -> (Vec<(usize, usize, usize)>, Vec<u32>) {
+    group_by_block(n, slots, |s| s.0, |&(_, slot, off, len)| (slot, off, len))
 }
 
 /// Appends the copy ops moving `layer`'s block `block_id` to/from `buf` at `buf_off`, merging
@@ -305,29 +316,46 @@ impl Engine {
 
     /// One batched device → host copy of every planned part, with its metrics. Returns the
     /// buffers (held by the copy while it runs).
+    ///
+    /// The ops go to the transport block by block, in parts ([`super::copy`]): the blocks'
+    /// buffers lie in ascending host order, so the ops do too, and the first bytes move while
+    /// the rest are built.
     async fn copy_to_host(
         &self,
         wl: &WorkerLease,
         plan: &SavePlan<'_>,
         bufs: Vec<Arc<HostBuffer>>,
     ) -> EngineResult<Vec<Arc<HostBuffer>>> {
-        let mut ops = Vec::with_capacity(plan.parts.len() * 2);
-        for &(b, layer, bid, off) in &plan.parts {
-            push_ops(&mut ops, layer, bid as u64, &bufs[b as usize], off);
-        }
-        let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
+        // Each block's device parts, in layer order (the plan lists them layer by layer).
+        let (parts, starts) = group_by_block(
+            plan.blocks.len(),
+            &plan.parts,
+            |p| p.0,
+            |&(_, layer, bid, off)| (Some(layer), bid, off),
+        );
         let batch = CopyBatch {
             location: wl.worker.location,
             direction: Direction::ToHost,
             mode: wl.instance.transfer_mode,
-            ops,
+            ops: Vec::new(),
         };
         let t0 = Instant::now();
         let transport = wl.worker.transport.clone();
         // The copy holds the buffers (one reference for the whole list) until it ends.
         let bufs = Arc::new(bufs);
         let keep = (bufs.clone(), wl.worker.clone());
-        let r = Self::run_copy(transport, batch, keep).await;
+        let (mut feed, copy) = super::copy::start_copy(transport, batch, keep).await;
+        for (b, buf) in bufs.iter().enumerate() {
+            let mut bytes = 0;
+            for &(layer, bid, off) in &parts[starts[b] as usize..starts[b + 1] as usize] {
+                let layer = layer.expect("every grouped part names its layer");
+                push_ops(feed.ops(), layer, bid as u64, buf, off);
+                bytes += layer.layout.block_bytes();
+            }
+            feed.block_done(bytes);
+        }
+        let bytes = feed.finish();
+        let r = copy.wait().await;
         if let Err(e) = r {
             self.metrics
                 .transfer_failures

@@ -37,7 +37,10 @@ pub use registrar::{
     RegistrarTraits, Registration, RegistrationPayload,
 };
 pub use tier::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
-pub use transport::{CopyBatch, CopyOp, Direction, MemorySpace, Transport, TransportError};
+pub use transport::{
+    op_parts, CopyBatch, CopyOp, Direction, MemorySpace, OpPartSender, OpParts, PartTally,
+    Transport, TransportError,
+};
 
 use crate::fd_channel::FdChannel;
 

@@ -4,6 +4,9 @@
 //! says which space a registration lives in, a transport says which spaces it can address, and
 //! the runtime pairs them without knowing any space but host memory.
 
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::Arc;
+
 use async_trait::async_trait;
 use pegaflow_api::TransferMode;
 
@@ -86,12 +89,155 @@ pub struct CopyBatch {
 #[error("{0}")]
 pub struct TransportError(pub String);
 
+/// The sending half of a batch's later ops ([`Transport::copy_parts`]): the engine plans a
+/// large copy in parts and hands each over as soon as it is built, so that the transport
+/// starts moving bytes while the rest is planned. Made by [`op_parts`].
+///
+/// [`OpPartSender::finish`] ends the batch. Dropped without it (the planning failed or
+/// panicked), the receiving side reports the batch as failed once it has waited for what it
+/// already submitted.
+#[derive(Debug)]
+pub struct OpPartSender {
+    tx: tokio::sync::mpsc::UnboundedSender<PartMsg>,
+    tally: Arc<AtomicU64>,
+}
+
+/// The receiving half: the parts, in order, as a transport takes them. See
+/// [`Transport::copy_parts`].
+#[derive(Debug)]
+pub struct OpParts {
+    rx: tokio::sync::mpsc::UnboundedReceiver<PartMsg>,
+    tally: Arc<AtomicU64>,
+    ended: bool,
+}
+
+#[derive(Debug)]
+enum PartMsg {
+    Part(Vec<CopyOp>),
+    End,
+}
+
+/// A channel for one batch's parts: the engine keeps the sender, the transport gets the
+/// parts. Unbounded: the engine builds a batch's ops at least an order of magnitude faster
+/// than any transport moves their bytes, and holds them all in memory either way.
+pub fn op_parts() -> (OpPartSender, OpParts) {
+    let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+    let tally = Arc::new(AtomicU64::new(0));
+    (
+        OpPartSender {
+            tx,
+            tally: tally.clone(),
+        },
+        OpParts {
+            rx,
+            tally,
+            ended: false,
+        },
+    )
+}
+
+impl OpPartSender {
+    /// Hands `ops` over as the batch's next part (an empty list is skipped). A part the
+    /// transport no longer takes (it failed the batch and dropped its side) is discarded:
+    /// the failure is what the copy's future reports.
+    pub fn send(&self, ops: Vec<CopyOp>) {
+        if ops.is_empty() {
+            return;
+        }
+        let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
+        self.tally.fetch_add(bytes, Ordering::Relaxed);
+        let _ = self.tx.send(PartMsg::Part(ops));
+    }
+
+    /// Ends the batch: the transport has every op.
+    pub fn finish(self) {
+        let _ = self.tx.send(PartMsg::End);
+    }
+}
+
+/// The failure an [`OpParts`] reports for a sender dropped without [`OpPartSender::finish`].
+fn unfinished() -> TransportError {
+    TransportError("the batch's ops ended before their last part (its planning failed)".into())
+}
+
+impl OpParts {
+    /// The next part; `Ok(None)` once the sender finished (and on every call after that).
+    ///
+    /// # Errors
+    /// The sender was dropped without finishing: the batch is incomplete and must fail.
+    pub async fn next(&mut self) -> Result<Option<Vec<CopyOp>>, TransportError> {
+        if self.ended {
+            return Ok(None);
+        }
+        let m = self.rx.recv().await;
+        self.take(m)
+    }
+
+    /// [`OpParts::next`] for a transport's own thread: blocks until the next part comes.
+    /// Must not be called from an async context (it panics there, as
+    /// `tokio::sync::mpsc::UnboundedReceiver::blocking_recv` does).
+    ///
+    /// # Errors
+    /// As [`OpParts::next`].
+    pub fn blocking_next(&mut self) -> Result<Option<Vec<CopyOp>>, TransportError> {
+        if self.ended {
+            return Ok(None);
+        }
+        let m = self.rx.blocking_recv();
+        self.take(m)
+    }
+
+    fn take(&mut self, m: Option<PartMsg>) -> Result<Option<Vec<CopyOp>>, TransportError> {
+        match m {
+            Some(PartMsg::Part(ops)) => Ok(Some(ops)),
+            Some(PartMsg::End) => {
+                self.ended = true;
+                Ok(None)
+            }
+            None => Err(unfinished()),
+        }
+    }
+
+    /// Appends every remaining part to `batch.ops` and answers the whole batch: what a
+    /// transport that needs all ops before it starts does in [`Transport::copy_parts`].
+    ///
+    /// # Errors
+    /// As [`OpParts::next`]; nothing of the batch has moved then.
+    pub async fn gather(mut self, mut batch: CopyBatch) -> Result<CopyBatch, TransportError> {
+        while let Some(part) = self.next().await? {
+            if batch.ops.is_empty() {
+                batch.ops = part;
+            } else {
+                batch.ops.extend_from_slice(&part);
+            }
+        }
+        Ok(batch)
+    }
+
+    /// A handle on the bytes sent as parts so far (the ops of the batch itself not counted),
+    /// for a layer that wraps a transport and reports the batch's size once it is done.
+    pub fn tally(&self) -> PartTally {
+        PartTally(self.tally.clone())
+    }
+}
+
+/// Bytes sent as parts of one batch so far (see [`OpParts::tally`]).
+#[derive(Debug, Clone)]
+pub struct PartTally(Arc<AtomicU64>);
+
+impl PartTally {
+    /// Bytes in the parts sent so far; final once the batch's copy has completed.
+    pub fn bytes(&self) -> u64 {
+        self.0.load(Ordering::Relaxed)
+    }
+}
+
 /// Moves bytes between registrations and host buffers.
 ///
-/// Contract: the future returned by [`Transport::copy`] completes only once every byte of the
-/// batch has moved (or failed); the engine keeps the registration and the host buffers alive
-/// until then and always drives the future to completion. No default methods: a layer that
-/// wraps a transport forwards every call.
+/// Contract: the future returned by [`Transport::copy`] or [`Transport::copy_parts`]
+/// completes only once every byte of the batch has moved (or failed); the engine keeps the
+/// registration and the host buffers alive until then and always drives the future to
+/// completion. No default methods: a layer that wraps a transport forwards every call.
 #[async_trait]
 pub trait Transport: Send + Sync + 'static {
     /// The pipeline kind, e.g. `memcpy`.
@@ -108,4 +254,14 @@ pub trait Transport: Send + Sync + 'static {
     fn install_host_memory(&self, regions: &[HostRegion]) -> Result<(), TransportError>;
     /// Runs the batch.
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError>;
+    /// Runs one batch whose ops come in parts: `batch.ops` (possibly empty), then every part
+    /// `parts` yields until the sender finishes, as one batch with one completion. The engine
+    /// plans a large Save's or Load's ops while the first parts already copy; a transport
+    /// that can start on the first part does (the `cuda` transport), one that cannot gathers
+    /// them first ([`OpParts::gather`]) and runs [`Transport::copy`].
+    ///
+    /// # Errors
+    /// As [`Transport::copy`]; and when the sender is dropped without finishing, after
+    /// waiting for whatever of the batch was already submitted.
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError>;
 }

@@ -426,15 +426,23 @@ fn sh(cmd: &str, args: &[&str]) -> Result<String, String> {
     }
 }
 
+/// A filesystem mounted at `mnt` inside `dir` (and the loop device under it, if any), unmounted
+/// and detached on drop.
 struct Mounted {
     dir: tempfile::TempDir,
+    mnt: std::path::PathBuf,
+    /// Whether the mount itself succeeded (the guard exists before it, for the loop device).
+    mounted: bool,
     loopdev: Option<String>,
 }
 
 impl Drop for Mounted {
     fn drop(&mut self) {
-        let p = self.dir.path().join("mnt");
-        let _ = sh("umount", &[p.to_str().unwrap()]);
+        if self.mounted {
+            if let Err(e) = sh("umount", &[self.mnt.to_str().unwrap()]) {
+                eprintln!("cannot unmount {}: {e}", self.mnt.display());
+            }
+        }
         if let Some(l) = &self.loopdev {
             let _ = sh("losetup", &["-d", l]);
         }
@@ -457,14 +465,17 @@ fn loop_mount_4k() -> Result<Mounted, String> {
             img.to_str().unwrap(),
         ],
     )?;
-    let m = Mounted {
+    let mnt = dir.path().join("mnt");
+    let mut m = Mounted {
         dir,
+        mnt: mnt.clone(),
+        mounted: false,
         loopdev: Some(dev.clone()),
     };
     sh("mkfs.ext4", &["-q", "-F", "-b", "4096", &dev])?;
-    let mnt = m.dir.path().join("mnt");
     std::fs::create_dir(&mnt).map_err(|e| e.to_string())?;
     sh("mount", &[&dev, mnt.to_str().unwrap()])?;
+    m.mounted = true;
     Ok(m)
 }
 
@@ -530,7 +541,12 @@ async fn a_full_filesystem_evicts_and_keeps_serving() {
         eprintln!("SKIPPED: a_full_filesystem: needs root to mount a 56 MiB tmpfs: {why}");
         return;
     }
-    let _guard = Mounted { dir, loopdev: None };
+    let _guard = Mounted {
+        dir,
+        mnt: mnt.clone(),
+        mounted: true,
+        loopdev: None,
+    };
     let ssd = mnt.join("ssd");
     // Asks for 1 GiB on 56 MiB: the capacity is what fits.
     let cfg = SsdConfig {

@@ -27,7 +27,8 @@ use parking_lot::Mutex;
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::{
     defaults_of, parse_settings, ConfigSchema, CopyBatch, CopyOp, Direction, HostRegion,
-    MemorySpace, PluginOption, RuntimeContext, Transport, TransportError, TransportFactory,
+    MemorySpace, OpParts, PluginOption, RuntimeContext, Transport, TransportError,
+    TransportFactory,
 };
 use serde::{Deserialize, Serialize};
 use tokio::sync::{mpsc, oneshot};
@@ -284,6 +285,9 @@ impl CudaTransportConfig {
 
 struct Job {
     batch: CopyBatch,
+    /// The batch's later ops, when the engine hands them over while it plans
+    /// ([`Transport::copy_parts`]).
+    parts: Option<OpParts>,
     reply: oneshot::Sender<Result<CopyReport, TransportError>>,
     /// When `copy` sent it (the debug log's `queued_us`: how long it waited for the worker).
     sent: std::time::Instant,
@@ -537,6 +541,29 @@ impl CudaTransport {
     /// Errors: [`TransportError`] when the driver is missing, the device is not served, or any
     /// CUDA call fails (the batch then counts as failed as a whole).
     pub async fn copy_with_report(&self, batch: CopyBatch) -> Result<CopyReport, TransportError> {
+        self.submit(batch, None).await
+    }
+
+    /// [`CudaTransport::copy_with_report`] for a batch whose ops come in parts
+    /// ([`Transport::copy_parts`]): the worker plans and submits each part as it arrives, so
+    /// the first bytes move while the engine still builds the rest, and synchronises once,
+    /// after the last.
+    ///
+    /// Errors: as [`CudaTransport::copy_with_report`], and the parts' sender dropped before
+    /// it finished (after waiting for what was submitted).
+    pub async fn copy_parts_with_report(
+        &self,
+        batch: CopyBatch,
+        parts: OpParts,
+    ) -> Result<CopyReport, TransportError> {
+        self.submit(batch, Some(parts)).await
+    }
+
+    async fn submit(
+        &self,
+        batch: CopyBatch,
+        parts: Option<OpParts>,
+    ) -> Result<CopyReport, TransportError> {
         if batch.location.domain != CUDA_DOMAIN {
             return Err(TransportError(format!(
                 "the cuda transport cannot address {} memory",
@@ -544,7 +571,7 @@ impl CudaTransport {
             )));
         }
         let ordinal = batch.location.ordinal;
-        if batch.ops.iter().all(|o| o.len == 0) {
+        if parts.is_none() && batch.ops.iter().all(|o| o.len == 0) {
             return Ok(CopyReport {
                 path: CopyPath::Empty,
                 bytes: 0,
@@ -555,6 +582,7 @@ impl CudaTransport {
         let (reply, rx) = oneshot::channel();
         let job = Job {
             batch,
+            parts,
             reply,
             sent: std::time::Instant::now(),
         };
@@ -586,6 +614,10 @@ impl Transport for CudaTransport {
 
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
         self.copy_with_report(batch).await.map(|_| ())
+    }
+
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+        self.copy_parts_with_report(batch, parts).await.map(|_| ())
     }
 }
 
@@ -633,9 +665,10 @@ fn worker_main(
             return;
         }
     };
-    while let Some(job) = rx.blocking_recv() {
+    while let Some(mut job) = rx.blocking_recv() {
         let queued_us = job.sent.elapsed().as_micros() as u64;
-        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(&job.batch, queued_us)))
+        let (batch, parts) = (&mut job.batch, job.parts.as_mut());
+        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(batch, parts, queued_us)))
             .unwrap_or_else(|_| {
                 // Whatever was enqueued must finish before the buffers can be reused.
                 let _ = w.sync();
@@ -644,6 +677,47 @@ fn worker_main(
             .map_err(|e| TransportError(format!("GPU {ordinal}: {e}")));
         let _ = job.reply.send(r);
     }
+}
+
+/// What a batch's ops came to, over its parts (for the debug line and the report).
+#[derive(Default)]
+struct Tally {
+    ops: usize,
+    bytes: u64,
+    parts: usize,
+}
+
+impl Tally {
+    fn add(&mut self, ops: &[CopyOp]) {
+        self.ops += ops.len();
+        self.bytes += ops.iter().map(|o| o.len as u64).sum::<u64>();
+        self.parts += 1;
+    }
+}
+
+/// The next part of a batch, counted in `tally`; `None` when there are no parts or the
+/// sender finished.
+fn next_part(
+    parts: &mut Option<&mut OpParts>,
+    tally: &mut Tally,
+) -> Result<Option<Vec<CopyOp>>, CudaError> {
+    let Some(p) = parts.as_deref_mut() else {
+        return Ok(None);
+    };
+    let part = p.blocking_next().map_err(|e| CudaError(e.0))?;
+    if let Some(ops) = &part {
+        tally.add(ops);
+    }
+    Ok(part)
+}
+
+/// A staged run's progress across the parts of one batch.
+struct StagedRun<'a> {
+    boundaries: &'a [usize],
+    bases: &'a [u64],
+    /// Chunks of the plan issued so far.
+    issued: usize,
+    submissions: usize,
 }
 
 /// A device allocation owned by a worker.
@@ -713,49 +787,27 @@ impl Worker {
         drv.bind(ordinal)?;
         let sm = drv.device(ordinal).map(|d| d.sm_count).unwrap_or(1);
         let n = cfg.staging_buffers.clamp(2, 8);
-        let mut streams: Vec<sys::CUstream> = vec![std::ptr::null_mut(); n];
-        for s in &mut streams {
-            check(
-                // SAFETY: out-pointer to a live array slot; the context is current.
-                unsafe {
-                    sys::cuStreamCreate(s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-                },
-                "cuStreamCreate",
-            )?;
-        }
-        let done = (0..n)
-            .map(|_| new_event(true))
-            .collect::<Result<Vec<_>, _>>()?;
-        let polled = (0..n)
-            .map(|_| new_event(false))
-            .collect::<Result<Vec<_>, _>>()?;
-        let uploaded = new_event(false)?;
-        let kernel = match load_kernel() {
-            Ok(f) => Some(f),
-            Err(e) => {
-                tracing::warn!(ordinal, "copy kernel unavailable, using direct copies: {e}");
-                None
-            }
-        };
         let mapped = pins
             .as_ref()
             .map(|p| vec![None; p.chunks().len()])
             .unwrap_or_default();
+        // Built empty and filled in place: when a creation fails, dropping the half-built
+        // worker destroys what was made so far (a worker that fails to start leaks nothing).
         let mut w = Self {
             ordinal,
             dir,
             grid_cap: sm.saturating_mul(cfg.blocks_per_sm).max(1),
             cfg,
             pins,
-            streams,
-            done,
-            polled,
+            streams: Vec::with_capacity(n),
+            done: Vec::with_capacity(n),
+            polled: Vec::with_capacity(n),
             marks: Vec::new(),
             mark_events: Vec::new(),
             enqueued: 0,
             since_mark: 0,
-            uploaded,
-            kernel,
+            uploaded: std::ptr::null_mut(),
+            kernel: None,
             staging: None,
             staging_failed: false,
             desc_dev: None,
@@ -766,6 +818,29 @@ impl Worker {
             desc_pages: Vec::new(),
             desc_cursor: (0, 0),
             order: Vec::new(),
+        };
+        for _ in 0..n {
+            let mut s: sys::CUstream = std::ptr::null_mut();
+            check(
+                // SAFETY: out-pointer to a live local; the context is current.
+                unsafe {
+                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
+                },
+                "cuStreamCreate",
+            )?;
+            w.streams.push(s);
+        }
+        for _ in 0..n {
+            w.done.push(new_event(true)?);
+            w.polled.push(new_event(false)?);
+        }
+        w.uploaded = new_event(false)?;
+        w.kernel = match load_kernel() {
+            Ok(f) => Some(f),
+            Err(e) => {
+                tracing::warn!(ordinal, "copy kernel unavailable, using direct copies: {e}");
+                None
+            }
         };
         if w.kernel.is_some() {
             // Allocate the staging buffers up front rather than on the first batch.
@@ -849,16 +924,39 @@ impl Worker {
         first
     }
 
-    fn run(&mut self, batch: &CopyBatch, queued_us: u64) -> Result<CopyReport, CudaError> {
+    /// Runs one batch: its own ops, then each part of `parts` as it arrives (the path is
+    /// chosen on the first non-empty ops), then waits for all of it.
+    fn run(
+        &mut self,
+        batch: &mut CopyBatch,
+        mut parts: Option<&mut OpParts>,
+        queued_us: u64,
+    ) -> Result<CopyReport, CudaError> {
         let t0 = std::time::Instant::now();
         (self.enqueued, self.since_mark) = (0, 0);
         self.marks.clear();
-        let bytes: u64 = batch.ops.iter().map(|o| o.len as u64).sum();
-        let path = self.choose(batch);
+        let mut tally = Tally::default();
+        let mut first = std::mem::take(&mut batch.ops);
+        if first.is_empty() {
+            first = next_part(&mut parts, &mut Tally::default())?.unwrap_or_default();
+        }
+        if self.cfg.kernel_path == KernelPath::Mapped {
+            // The mapped path needs every op to decide: gather the parts first.
+            while let Some(more) = next_part(&mut parts, &mut Tally::default())? {
+                first.extend_from_slice(&more);
+            }
+        }
+        tally.add(&first);
+        let path = self.choose(batch.mode, &first);
         let r = match path {
-            CopyPath::Direct | CopyPath::Empty => self.direct(&batch.ops),
-            CopyPath::Staged => self.staged(&batch.ops),
-            CopyPath::Mapped => self.mapped_copy(&batch.ops),
+            CopyPath::Direct | CopyPath::Empty => self.direct(&first).and_then(|mut n| {
+                while let Some(ops) = next_part(&mut parts, &mut tally)? {
+                    n += self.direct(&ops)?;
+                }
+                Ok(n)
+            }),
+            CopyPath::Staged => self.staged(&first, &mut parts, &mut tally),
+            CopyPath::Mapped => self.mapped_copy(&first),
         };
         let enqueued = t0.elapsed();
         // Always wait for what was enqueued, success or not: the host buffers and the mapping
@@ -868,8 +966,9 @@ impl Worker {
             ordinal = self.ordinal,
             dir = ?self.dir,
             ?path,
-            ops = batch.ops.len(),
-            bytes,
+            ops = tally.ops,
+            parts = tally.parts,
+            bytes = tally.bytes,
             queued_us,
             enqueue_us = enqueued.as_micros() as u64,
             total_us = t0.elapsed().as_micros() as u64,
@@ -880,25 +979,26 @@ impl Worker {
         s?;
         Ok(CopyReport {
             path,
-            bytes,
+            bytes: tally.bytes,
             submissions,
         })
     }
 
-    fn choose(&mut self, batch: &CopyBatch) -> CopyPath {
+    /// The path for a batch of `mode` whose first ops are `ops`.
+    fn choose(&mut self, mode: TransferMode, ops: &[CopyOp]) -> CopyPath {
         let want_kernel = match self.cfg.policy {
             Policy::Direct => false,
             Policy::Kernel => true,
-            Policy::Hint => batch.mode == TransferMode::Kernel,
+            Policy::Hint => mode == TransferMode::Kernel,
             Policy::Auto => {
-                let (n, total) = merged_stats(&batch.ops);
+                let (n, total) = merged_stats(ops);
                 n > 2 && total / (n as u64) < self.cfg.direct_min_bytes
             }
         };
         if !want_kernel || self.kernel.is_none() {
             return CopyPath::Direct;
         }
-        if self.cfg.kernel_path == KernelPath::Mapped && self.all_mapped(&batch.ops) {
+        if self.cfg.kernel_path == KernelPath::Mapped && self.all_mapped(ops) {
             return CopyPath::Mapped;
         }
         if self.ensure_staging() {
@@ -1094,7 +1194,15 @@ impl Worker {
     /// each staging chunk is issued (kernel and pinned copies on stream `i % buffers`) as soon
     /// as the planner closes it, so the copy engine starts after the first chunk is planned
     /// rather than after the whole batch. Returns the submissions enqueued.
-    fn staged(&mut self, ops: &[CopyOp]) -> Result<usize, CudaError> {
+    /// The staged path: `first`, then every part of `parts`, planned into one run of
+    /// staging chunks, each chunk issued as soon as it is closed. Ops are taken in host order
+    /// within each part.
+    fn staged(
+        &mut self,
+        first: &[CopyOp],
+        parts: &mut Option<&mut OpParts>,
+        tally: &mut Tally,
+    ) -> Result<usize, CudaError> {
         let boundaries = self
             .pins
             .as_ref()
@@ -1105,38 +1213,61 @@ impl Worker {
             None => return Err(CudaError("no staging buffers".into())),
         };
         self.reset_desc_pages()?;
-        let chunk = self.cfg.staging_chunk;
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
         let mut order = std::mem::take(&mut self.order);
         plan.begin_ramped(FIRST_CHUNK_BYTES);
-        let mut issued = 0;
-        let mut submissions = 0;
-        let mut r = Ok(());
-        for i in HostOrder::new(ops, &mut order) {
-            plan.push(&ops[i], chunk, &boundaries);
-            while r.is_ok() && issued < plan.chunks.len() {
-                r = self
-                    .issue_chunk(&plan, issued, &bases)
-                    .map(|n| submissions += n);
-                issued += 1;
-            }
-            if r.is_err() {
-                break;
+        let mut run = StagedRun {
+            boundaries: &boundaries,
+            bases: &bases,
+            issued: 0,
+            submissions: 0,
+        };
+        let mut r = self.stage_ops(&mut plan, &mut order, &mut run, first);
+        while r.is_ok() {
+            match next_part(parts, tally) {
+                Ok(Some(ops)) => r = self.stage_ops(&mut plan, &mut order, &mut run, &ops),
+                Ok(None) => break,
+                Err(e) => r = Err(e),
             }
         }
         if r.is_ok() {
             plan.finish();
-            while r.is_ok() && issued < plan.chunks.len() {
-                r = self
-                    .issue_chunk(&plan, issued, &bases)
-                    .map(|n| submissions += n);
-                issued += 1;
-            }
+            r = self.issue_closed(&plan, &mut run);
         }
         self.plan = plan;
         self.order = order;
-        r.map(|()| submissions)
+        r.map(|()| run.submissions)
+    }
+
+    /// Places `ops` (in host order) into `plan` and issues every chunk that closes.
+    fn stage_ops(
+        &mut self,
+        plan: &mut StagedPlan,
+        order: &mut Vec<usize>,
+        run: &mut StagedRun<'_>,
+        ops: &[CopyOp],
+    ) -> Result<(), CudaError> {
+        let chunk = self.cfg.staging_chunk;
+        for i in HostOrder::new(ops, order) {
+            plan.push(&ops[i], chunk, run.boundaries);
+            self.issue_closed(plan, run)?;
+        }
+        Ok(())
+    }
+
+    /// Issues the closed chunks of `plan` not issued yet.
+    fn issue_closed(
+        &mut self,
+        plan: &StagedPlan,
+        run: &mut StagedRun<'_>,
+    ) -> Result<(), CudaError> {
+        while run.issued < plan.chunks.len() {
+            let i = run.issued;
+            run.issued += 1;
+            run.submissions += self.issue_chunk(plan, i, run.bases)?;
+        }
+        Ok(())
     }
 
     /// Enqueues closed chunk `i` of `plan`: its descriptors into the descriptor pages, then
@@ -1308,7 +1439,11 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        let _ = self.sync();
+        // A worker whose start failed midway has fewer events than streams, and nothing in
+        // flight.
+        if self.done.len() == self.streams.len() && self.polled.len() == self.streams.len() {
+            let _ = self.sync();
+        }
         // SAFETY: everything below was created by this worker in its context (current on this
         // thread) and nothing is in flight after sync().
         unsafe {
@@ -1332,6 +1467,7 @@ impl Drop for Worker {
                 .chain(&self.polled)
                 .chain(&self.mark_events)
                 .chain([&self.uploaded])
+                .filter(|e| !e.is_null())
             {
                 let _ = sys::cuEventDestroy_v2(*e);
             }

@@ -15,14 +15,14 @@ use std::time::{Duration, Instant};
 
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::{
-    CopyBatch, CopyOp, Direction, ImportRequest, Registrar, RegistrarError, RegistrationPayload,
-    RuntimeContext, Transport,
+    op_parts, CopyBatch, CopyOp, Direction, ImportRequest, Registrar, RegistrarError,
+    RegistrationPayload, RuntimeContext, Transport,
 };
 use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::wrapper::{encode_wrapper, parse_wrapper};
 use pegaflow_transport_cuda::{
-    driver, CopyPath, CudaIpcRegistrar, CudaTransport, CudaTransportConfig, KernelPath, Policy,
-    Wait,
+    driver, CopyPath, CopyReport, CudaIpcRegistrar, CudaTransport, CudaTransportConfig, KernelPath,
+    Policy, Wait,
 };
 
 fn gpu_tests() -> bool {
@@ -121,7 +121,40 @@ fn fixture(cfg: CudaTransportConfig, seed: u64) -> Fixture {
     }
 }
 
+/// Runs `batch` whole (`split` 0) or as `split` parts: the batch's own ops empty, the parts
+/// sent from another thread with a pause between them, so the worker waits for parts while
+/// the first ones copy.
+fn run(f: &Fixture, mut batch: CopyBatch, split: usize) -> CopyReport {
+    if split == 0 {
+        return block_on(f.transport.copy_with_report(batch)).unwrap();
+    }
+    let ops = std::mem::take(&mut batch.ops);
+    let (tx, parts) = op_parts();
+    let per = ops.len().div_ceil(split).max(1);
+    let sender = std::thread::spawn(move || {
+        for part in ops.chunks(per) {
+            tx.send(part.to_vec());
+            std::thread::sleep(Duration::from_millis(1));
+        }
+        tx.finish();
+    });
+    let rep = block_on(f.transport.copy_parts_with_report(batch, parts)).unwrap();
+    sender.join().unwrap();
+    rep
+}
+
 fn roundtrip(f: &Fixture, ops: &[CopyOp], mode: TransferMode, expect: CopyPath, seed: u64) {
+    roundtrip_split(f, ops, mode, expect, seed, 0)
+}
+
+fn roundtrip_split(
+    f: &Fixture,
+    ops: &[CopyOp],
+    mode: TransferMode,
+    expect: CopyPath,
+    seed: u64,
+    split: usize,
+) {
     let host_base = f.arena.addr();
     // SAFETY: no copy is in flight.
     unsafe { f.arena.bytes_mut() }.fill(0);
@@ -131,8 +164,10 @@ fn roundtrip(f: &Fixture, ops: &[CopyOp], mode: TransferMode, expect: CopyPath, 
         mode,
         ops: ops.to_vec(),
     };
-    let rep = block_on(f.transport.copy_with_report(batch(Direction::ToHost))).unwrap();
+    let rep = run(f, batch(Direction::ToHost), split);
     assert_eq!(rep.path, expect, "ToHost path");
+    let bytes: u64 = ops.iter().map(|o| o.len as u64).sum();
+    assert_eq!(rep.bytes, bytes, "ToHost bytes reported");
     // SAFETY: the copy completed.
     let host = unsafe { f.arena.bytes() };
     let mut expect_host = vec![0u8; host.len()];
@@ -149,8 +184,9 @@ fn roundtrip(f: &Fixture, ops: &[CopyOp], mode: TransferMode, expect: CopyPath, 
     // SAFETY: no copy is in flight.
     unsafe { f.arena.bytes_mut() }.copy_from_slice(&fresh);
     f.dev.fill(0).unwrap();
-    let rep = block_on(f.transport.copy_with_report(batch(Direction::ToDevice))).unwrap();
+    let rep = run(f, batch(Direction::ToDevice), split);
     assert_eq!(rep.path, expect, "ToDevice path");
+    assert_eq!(rep.bytes, bytes, "ToDevice bytes reported");
     let mut back = vec![0u8; DEV_LEN];
     f.dev.download(0, &mut back).unwrap();
     let mut expect_dev = vec![0u8; DEV_LEN];
@@ -225,7 +261,52 @@ fn transport_roundtrips_byte_exact_on_every_path() {
         roundtrip(&f, &ops[..1], TransferMode::Kernel, kernel_expect, 300);
         let aligned: Vec<CopyOp> = ops.iter().copied().filter(|o| o.len == 32 << 10).collect();
         roundtrip(&f, &aligned, TransferMode::Kernel, kernel_expect, 400);
+        // The same batches handed over in parts while they copy.
+        for (split, seed) in [(2, 500), (7, 600), (ops.len(), 700)] {
+            roundtrip_split(&f, &ops, TransferMode::Kernel, kernel_expect, seed, split);
+            roundtrip_split(
+                &f,
+                &ops,
+                TransferMode::Direct,
+                CopyPath::Direct,
+                seed + 1,
+                split,
+            );
+        }
     }
+}
+
+#[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
+fn a_batch_whose_parts_stop_unfinished_fails_and_the_worker_goes_on() {
+    if !gpu_tests() {
+        return;
+    }
+    driver().expect("PEGAFLOW_GPU_TESTS=1 but no CUDA driver");
+    let cfg = CudaTransportConfig {
+        policy: Policy::Hint,
+        staging_chunk: 1 << 20,
+        ..Default::default()
+    };
+    let f = fixture(cfg, 9);
+    let mut rng = Rng(11);
+    let ops = make_ops(&mut rng, f.dev.ptr(), f.arena.addr(), f.arena.len());
+    for mode in [TransferMode::Kernel, TransferMode::Direct] {
+        let (tx, parts) = op_parts();
+        tx.send(ops[..ops.len() / 2].to_vec());
+        drop(tx); // the planner failed: no finish
+        let batch = CopyBatch {
+            location: pegaflow_transport_cuda::cuda_space(0),
+            direction: Direction::ToHost,
+            mode,
+            ops: Vec::new(),
+        };
+        let err = block_on(f.transport.copy_parts_with_report(batch, parts)).unwrap_err();
+        assert!(err.0.contains("last part"), "{mode:?}: {err}");
+    }
+    // The worker serves the next batches as before.
+    roundtrip(&f, &ops, TransferMode::Kernel, CopyPath::Staged, 800);
+    roundtrip_split(&f, &ops, TransferMode::Kernel, CopyPath::Staged, 801, 3);
 }
 
 #[test]

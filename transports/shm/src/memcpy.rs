@@ -4,7 +4,7 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use pegaflow_runtime::{
-    parse_settings, CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, RuntimeContext,
+    parse_settings, CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, OpParts, RuntimeContext,
     Transport, TransportError,
 };
 use serde::{Deserialize, Serialize};
@@ -308,6 +308,12 @@ impl Transport for MemcpyTransport {
         tokio::task::spawn_blocking(move || run_moves(moves, threads, threshold, streaming))
             .await
             .map_err(|e| TransportError(format!("memcpy copy thread failed: {e}")))
+    }
+
+    /// Gathers the parts first: the copy threads split the whole batch by bytes.
+    async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
+        let batch = parts.gather(batch).await?;
+        self.copy(batch).await
     }
 }
 
