@@ -96,8 +96,6 @@ pub(super) struct PartFeed {
     pending: u64,
     /// The part is handed over once `pending` reaches this.
     due: u64,
-    /// Bytes of the ops handed over so far.
-    sent: u64,
 }
 
 impl PartFeed {
@@ -107,7 +105,6 @@ impl PartFeed {
             ops: Vec::new(),
             pending: 0,
             due: PART_FIRST_BYTES,
-            sent: 0,
         }
     }
 
@@ -129,7 +126,6 @@ impl PartFeed {
         // The next part is about twice this one: reserve for that.
         let next = Vec::with_capacity(self.ops.len().saturating_mul(2).max(16));
         let part = std::mem::replace(&mut self.ops, next);
-        self.sent += part.iter().map(|o| o.len as u64).sum::<u64>();
         self.tx.send(part);
         self.pending = 0;
     }
@@ -139,8 +135,9 @@ impl PartFeed {
         if !self.ops.is_empty() {
             self.cut();
         }
+        let sent = self.tx.sent_bytes();
         self.tx.finish();
-        self.sent
+        sent
     }
 }
 

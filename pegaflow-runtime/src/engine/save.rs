@@ -49,7 +49,7 @@ struct SavePlan<'a> {
 /// `items` of `n` blocks regrouped block by block (stable; `block` says whose an item is,
 /// `map` what is kept of it), and where each block's entries start (`starts[b]..starts[b +
 /// 1]`). A counting sort: two passes, no per-block allocation.
-fn group_by_block<T, U: Copy + Default>(
+fn group_by_block<T, U: Copy>(
     n: usize,
     items: &[T],
     block: impl Fn(&T) -> u32,
@@ -63,7 +63,11 @@ fn group_by_block<T, U: Copy + Default>(
         starts[b + 1] += starts[b];
     }
     let mut fill = starts.clone();
-    let mut out = vec![U::default(); items.len()];
+    // Every entry is overwritten below; the first item's value only fills the vector.
+    let mut out = match items.first() {
+        Some(first) => vec![map(first); items.len()],
+        None => Vec::new(),
+    };
     for it in items {
         let at = &mut fill[block(it) as usize];
         out[*at as usize] = map(it);
@@ -331,7 +335,7 @@ impl Engine {
             plan.blocks.len(),
             &plan.parts,
             |p| p.0,
-            |&(_, layer, bid, off)| (Some(layer), bid, off),
+            |&(_, layer, bid, off)| (layer, bid, off),
         );
         let batch = CopyBatch {
             location: wl.worker.location,
@@ -348,7 +352,6 @@ impl Engine {
         for (b, buf) in bufs.iter().enumerate() {
             let mut bytes = 0;
             for &(layer, bid, off) in &parts[starts[b] as usize..starts[b + 1] as usize] {
-                let layer = layer.expect("every grouped part names its layer");
                 push_ops(feed.ops(), layer, bid as u64, buf, off);
                 bytes += layer.layout.block_bytes();
             }

@@ -149,6 +149,11 @@ impl OpPartSender {
         let _ = self.tx.send(PartMsg::Part(ops));
     }
 
+    /// Bytes of the parts sent so far.
+    pub fn sent_bytes(&self) -> u64 {
+        self.tally.load(Ordering::Relaxed)
+    }
+
     /// Ends the batch: the transport has every op.
     pub fn finish(self) {
         let _ = self.tx.send(PartMsg::End);
