@@ -80,6 +80,9 @@ async fn a_block_saved_on_one_node_is_loaded_byte_exact_through_another_over_the
     let mut wb = worker(&b, "inst-b", SMALL).await;
     let hs = hashes("emu-basic", 24);
     save(&mut wa, 0, &hs).await;
+    // The save goes in two requests (16 + 8 blocks): a query between their listings would
+    // fetch the first 16 alone, then the rest under a second lock.
+    wait_listed(&env, "emu-basic", &a, &hs).await;
 
     let s = settle_all(&mut wb, &hs, 24, Duration::from_secs(15)).await;
     assert!(s.loading > 0, "the fetch was answered Loading first: {s:?}");
@@ -205,6 +208,7 @@ async fn a_requester_killed_mid_transfer_frees_the_sources_locks_at_once() {
     let mut wa = worker(&a, "inst-a", SMALL).await;
     let hs = hashes("emu-kill-req", 16);
     save(&mut wa, 0, &hs).await;
+    wait_listed(&env, "emu-kill-req", &a, &hs).await;
     let qps_before = a.metric("pegaflow_rdma_queue_pairs", &[]);
     let ob = env.opts(
         "emu-kill-req",
@@ -280,7 +284,7 @@ async fn a_lock_that_ends_during_a_one_sided_pull_drops_the_bytes() {
     let mut wb = worker(&b, "inst-b", SMALL).await;
     let hs = hashes("emu-lease", 8);
     save(&mut wa, 0, &hs).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_listed(&env, "emu-lease", &a, &hs).await;
     let s = settle(&mut wb, &hs, "late", Duration::from_secs(10)).await;
     assert!(s.loading > 0, "a fetch was tried");
     assert_eq!(s.hits, 0, "the bytes of a lost lock are not kept");
@@ -322,7 +326,7 @@ async fn fault_case(
     let hs = hashes(tag, 16);
     save(&mut wa, 0, &hs).await;
     // Let the directory list the source's run before counting anything.
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_listed(&env, tag, &a, &hs).await;
     let (fa, fb) = (fds(a.pid()), fds(b.pid()));
     let used_before = b.metric("pegaflow_pool_used_bytes", &[]);
 
@@ -432,7 +436,8 @@ async fn simultaneous_mutual_fetches_both_land() {
     let hb = hashes("emu-mutual-b", 8);
     save(&mut wa, 0, &ha).await;
     save(&mut wb, 0, &hb).await;
-    tokio::time::sleep(Duration::from_millis(500)).await;
+    wait_listed(&env, "emu-mutual", &a, &ha).await;
+    wait_listed(&env, "emu-mutual", &b, &hb).await;
     let (sa, sb) = tokio::join!(
         settle_all(&mut wa, &hb, 8, Duration::from_secs(15)),
         settle_all(&mut wb, &ha, 8, Duration::from_secs(15))

@@ -46,6 +46,21 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
+/// Whether a server's log says it could not bind because the address is taken (ours says
+/// `Address already in use (os error 98)`; a gRPC core says `Failed to bind`).
+fn addr_in_use(log: &str) -> bool {
+    let log = log.to_ascii_lowercase();
+    [
+        "address in use",
+        "already in use",
+        "errno 98",
+        "failed to bind",
+        "cannot bind",
+    ]
+    .iter()
+    .any(|m| log.contains(m))
+}
+
 /// A MetaServer process, killed (SIGKILL) and reaped when dropped unless stopped first.
 pub struct Server {
     child: Option<Child>,
@@ -66,7 +81,26 @@ impl Server {
     }
 
     /// As [`Server::start`], with extra environment variables.
+    ///
+    /// A port [`free_port`] handed out can be taken by another process before the server
+    /// binds it (tests run in parallel, and two servers of one test pick their ports before
+    /// either binds): an exit at start whose log says the address is in use is retried on
+    /// fresh ports, at most 5 times.
     pub fn start_with_env(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
+        for attempt in 1.. {
+            let mut s = Self::spawn(bin, args, env);
+            match s.wait_ready() {
+                Ok(()) => return s,
+                Err(why) if attempt < 5 && addr_in_use(&s.log_text()) => {
+                    eprintln!("{}: {why}; retrying on fresh ports", bin.display());
+                }
+                Err(why) => panic!("{why}:\n{}", s.log_text()),
+            }
+        }
+        unreachable!()
+    }
+
+    fn spawn(bin: &Path, args: &[&str], env: &[(&str, &str)]) -> Server {
         let dir = tempfile::tempdir().expect("temp dir");
         let log = dir.path().join("server.log");
         let grpc = format!("127.0.0.1:{}", free_port());
@@ -88,18 +122,18 @@ impl Server {
         let child = cmd
             .spawn()
             .unwrap_or_else(|e| panic!("spawn {}: {e}", bin.display()));
-        let mut s = Server {
+        Server {
             child: Some(child),
             grpc,
             http,
             log,
             _dir: dir,
-        };
-        s.wait_ready();
-        s
+        }
     }
 
-    fn wait_ready(&mut self) {
+    /// Waits until both ports accept connections; `Err` if the process exited first
+    /// (reaped); panics with the log after 20 s.
+    fn wait_ready(&mut self) -> Result<(), String> {
         let deadline = Instant::now() + Duration::from_secs(20);
         loop {
             if let Some(status) = self
@@ -107,14 +141,11 @@ impl Server {
                 .as_mut()
                 .and_then(|c| c.try_wait().ok().flatten())
             {
-                panic!(
-                    "{} exited with {status} at start:\n{}",
-                    self.grpc,
-                    self.log_text()
-                );
+                self.child = None;
+                return Err(format!("{} exited with {status} at start", self.grpc));
             }
             if TcpStream::connect(&self.grpc).is_ok() && TcpStream::connect(&self.http).is_ok() {
-                return;
+                return Ok(());
             }
             assert!(
                 Instant::now() < deadline,

@@ -104,7 +104,27 @@ pub struct Node {
 impl Node {
     /// Starts a node and waits (≤ 20 s) until `/health` says `ok` (the directory reached,
     /// when there is one).
+    ///
+    /// A port [`free_port`] handed out can be taken before the server binds it (tests run
+    /// in parallel): a node that exits at start saying the address is in use is started
+    /// again on fresh ports, at most 5 times.
     pub fn start(bin: &Path, name: &str, o: &NodeOpts) -> Self {
+        for attempt in 1.. {
+            let mut node = Self::configure(bin, name, o);
+            node.spawn();
+            match node.wait_healthy(Duration::from_secs(20)) {
+                Ok(()) => return node,
+                Err(()) if attempt < 5 && node.log_tail().contains("Address already in use") => {
+                    eprintln!("{name}: a port was taken before the server bound it; retrying");
+                }
+                Err(()) => panic!("{name} exited at start; log:\n{}", node.log_tail()),
+            }
+        }
+        unreachable!()
+    }
+
+    /// The node's directory, pipeline (on two fresh ports) and log path; not started.
+    fn configure(bin: &Path, name: &str, o: &NodeOpts) -> Self {
         let dir = tempfile::tempdir().expect("tempdir");
         let socket = dir.path().join("fd.sock");
         let (grpc, http) = (free_port(), free_port());
@@ -134,7 +154,7 @@ impl Node {
         let cfg = dir.path().join("pipeline.toml");
         std::fs::write(&cfg, &toml).expect("write pipeline");
         let log = dir.path().join("server.log");
-        let mut node = Self {
+        Self {
             name: name.into(),
             child: None,
             bin: bin.to_path_buf(),
@@ -146,10 +166,7 @@ impl Node {
             socket,
             log,
             _dir: dir,
-        };
-        node.spawn();
-        node.wait_healthy(Duration::from_secs(20));
-        node
+        }
     }
 
     fn spawn(&mut self) {
@@ -181,15 +198,25 @@ impl Node {
         self.kill();
         let _ = std::fs::remove_file(&self.socket);
         self.spawn();
-        self.wait_healthy(Duration::from_secs(20));
+        if self.wait_healthy(Duration::from_secs(20)).is_err() {
+            panic!("{} exited at restart; log:\n{}", self.name, self.log_tail());
+        }
     }
 
-    fn wait_healthy(&self, within: Duration) {
+    /// Waits until `/health` says `ok`; `Err` if the process exited first (reaped);
+    /// panics with the log after `within`.
+    fn wait_healthy(&mut self, within: Duration) -> Result<(), ()> {
         let end = Instant::now() + within;
         loop {
             if let Some(body) = self.get("/health") {
                 if body.starts_with("ok") {
-                    return;
+                    return Ok(());
+                }
+            }
+            if let Some(c) = self.child.as_mut() {
+                if c.try_wait().ok().flatten().is_some() {
+                    self.child = None;
+                    return Err(());
                 }
             }
             assert!(
