@@ -326,7 +326,7 @@ async fn fault_case(
     let hs = hashes(tag, 16);
     save(&mut wa, 0, &hs).await;
     // Let the directory list the source's run before counting anything.
-    wait_listed(&env, tag, &a, &hs).await;
+    wait_listed(env, tag, &a, &hs).await;
     let (fa, fb) = (fds(a.pid()), fds(b.pid()));
     let used_before = b.metric("pegaflow_pool_used_bytes", &[]);
 
