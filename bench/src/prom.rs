@@ -24,8 +24,15 @@ pub struct ServerCounters {
 }
 
 impl ServerCounters {
-    /// The counters of an in-process engine.
+    /// The counters of an in-process engine, once every Save that answered before this call
+    /// is sealed and indexed (a Save answers before its seal, which counts the insertions;
+    /// blocks the calling thread until then).
+    ///
+    /// A server scraped over HTTP ([`ServerCounters::scrape`]) has no such barrier: right
+    /// after a Save its insertions may not be counted yet.
     pub fn of_engine(engine: &pegaflow_runtime::engine::Engine) -> Self {
+        // The read-only view of the index waits for the pending seals.
+        let _ = engine.index();
         let m = engine.metrics();
         Self {
             evictions: m.cache_block_evictions.get(),

@@ -67,9 +67,36 @@ fn sequential_replay_matches_the_lru_simulation_exactly() {
     );
     assert!(r.server.block_hit_rate < r.infinite_cache.block_hit_rate);
     assert_eq!(r.lru_check.holds, Some(true), "{}", r.table());
-    assert_eq!(r.server.hit_blocks, r.simulation.hit_blocks);
-    assert_eq!(r.server.evictions, Some(r.simulation.evictions));
-    assert_eq!(r.server.inserted_blocks, Some(r.simulation.inserted_blocks));
+    // Each with the whole report, and the Saves refused first: a count that differs says
+    // which request's Save the server refused where the simulation did not (or the reverse).
+    let why = || {
+        format!(
+            "{}\nsaves refused: server {} (first: {:?}), simulation {}",
+            r.table(),
+            r.server.save_rejected,
+            r.server.first_save_rejection,
+            r.simulation.rejected_saves
+        )
+    };
+    assert_eq!(r.server.hit_blocks, r.simulation.hit_blocks, "{}", why());
+    assert_eq!(
+        r.server.save_rejected,
+        r.simulation.rejected_saves,
+        "{}",
+        why()
+    );
+    assert_eq!(
+        r.server.evictions,
+        Some(r.simulation.evictions),
+        "{}",
+        why()
+    );
+    assert_eq!(
+        r.server.inserted_blocks,
+        Some(r.simulation.inserted_blocks),
+        "{}",
+        why()
+    );
     assert!(r.verification.ok);
     assert_eq!(r.verification.bytes, r.server.loaded_blocks * 4096);
     assert_eq!(r.latency.query.count, 1500);
