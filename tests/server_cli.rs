@@ -45,6 +45,47 @@ fn declared_flags_are_listed_and_applied() {
         .output()
         .unwrap();
     assert_eq!(out.status.code(), Some(2), "{out:?}");
+    // `--use-hugepages` (a bare switch in PegaFlow) sets the dram tier's `use_hugepages`.
+    assert!(help.contains("--use-hugepages") && help.contains("reserved 2 MiB huge pages"));
+    let text = run(&["--print-config", "--use-hugepages"]);
+    assert!(text.contains("use_hugepages = true"), "{text}");
+    assert!(text.contains("transparent_hugepages = false"), "{text}");
+}
+
+/// A dram tier on reserved huge pages that the kernel does not have fails start-up with exit
+/// 1, naming the remedy (skipped where the machine has enough free huge pages for 1 GiB).
+#[test]
+fn use_hugepages_without_reserved_pages_fails_start_up_clearly() {
+    let free: u64 = std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("HugePages_Free:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0);
+    if free >= 512 {
+        println!("SKIP: this machine has {free} free huge pages, enough for the 1 GiB pool");
+        return;
+    }
+    let out = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
+        .args([
+            "--use-hugepages",
+            "--pool-size",
+            "1gb",
+            "--addr",
+            "127.0.0.1:0",
+            "--http-addr",
+            "127.0.0.1:0",
+        ])
+        .output()
+        .unwrap();
+    let err = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(out.status.code(), Some(1), "{err}");
+    assert!(
+        err.contains("MAP_HUGETLB") && err.contains("vm.nr_hugepages"),
+        "{err}"
+    );
 }
 
 /// `--metaserver-addr` (declared by the linked `metaserver` directory) adds the `[directory]`

@@ -6,7 +6,7 @@
 # Env: BINS (default "pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server"),
 # BATCH (Save RPC size, default 256), REPS (default 3), FLOOR (0), SRV_LOG (RUST_LOG, default info).
 # Prints one line per run (save and load GB/s per rep, byte-exactness, the server's mean Save
-# phases in ms) and the medians per entry; appends the raw JSON lines to $OUT/ab.jsonl.
+# phases in ms, its resident and transparent-huge-page bytes) and the medians per entry; appends the raw JSON lines to $OUT/ab.jsonl.
 set -u
 export PYTHONUNBUFFERED=1
 d=$(cd "$(dirname "$0")" && pwd)
@@ -26,6 +26,8 @@ for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old peg
   [ "${FLOOR:-0}" = 1 ] && python3 "$d/client_floor.py" --tag "$entry" --batch ${BATCH:-256} --rpcs 300 | tee -a "$out/ab.jsonl" | cut -c1-140
   timeout 200 python3 "$d/pf_bench.py" --tag "$entry#$i" --backend kernel --batch ${BATCH:-256} --reps ${REPS:-3} >> "$out/ab.jsonl" 2>&1
   curl -s 127.0.0.1:9091/metrics | grep -E '^pegaflow_rpc_phase_seconds_(sum|count)\{.*rpc="save"' > "$log.metrics"
+  # Which pages back the server's memory (the pinned pool is most of it): huge or base.
+  echo "$entry#$i: server memory $(grep -E '^(Rss|AnonHugePages):' /proc/$pid/smaps_rollup 2>/dev/null | tr -s ' ' | tr '\n' ' ')"
   python3 - "$out/ab.jsonl" "$entry#$i" "$log.metrics" <<'PY'
 import json, re, sys, collections
 tag = sys.argv[2]; save, load, exact = [], [], True

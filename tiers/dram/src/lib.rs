@@ -13,7 +13,9 @@
 //! not decide what to evict: the engine's block index does, and frees buffers by dropping them.
 //!
 //! Settings (the `[[tier]]` table, [`DramSettings`]): `capacity` (size string or bytes,
-//! default `"30gb"`; `--pool-size`), `shards` (default 1; `--pool-shards`). Eviction is the
+//! default `"30gb"`; `--pool-size`), `shards` (default 1; `--pool-shards`),
+//! `transparent_hugepages` (default false) and `use_hugepages` (default false;
+//! `--use-hugepages`): what backs the pages (see [`DramSettings`]). Eviction is the
 //! tier stack's (exact LRU), not a setting here. It is the default landing tier: a pipeline
 //! without `[[tier]]` entries runs it with these defaults.
 
@@ -29,9 +31,9 @@ use pegaflow_runtime::{
 };
 use serde::{Deserialize, Serialize};
 
-pub use pool::{GRANULE, TRIM_MIN_EXTENT};
+pub use pool::{GRANULE, HUGE_PAGE, TRIM_MIN_EXTENT};
 
-use pool::{footprint, Pool};
+use pool::{footprint, Backing, Pool};
 
 /// Default capacity in bytes: `"30gb"` (30 GiB), PegaFlow's `--pool-size` default.
 pub const DEFAULT_CAPACITY: u64 = 30 << 30;
@@ -50,6 +52,16 @@ pub struct DramSettings {
     pub capacity: u64,
     /// Independently locked sub-pools (≥ 1); allocations go round-robin with fallback.
     pub shards: usize,
+    /// Back the pool with transparent huge pages: align the mapping to 2 MiB and advise
+    /// `MADV_HUGEPAGE`, so that the kernel (THP `enabled` of `always` or `madvise`) faults
+    /// 2 MiB pages in where it has them; still committed lazily. Fewer pages to pin and to
+    /// translate for every copy. Ignored when `use_hugepages` is set.
+    pub transparent_hugepages: bool,
+    /// Back the pool with reserved huge pages (`MAP_HUGETLB`, `--use-hugepages` as
+    /// PegaFlow's flag): the whole capacity, rounded up to 2 MiB, is reserved from the
+    /// kernel's huge-page pool (`vm.nr_hugepages`) at start-up, which fails when it has
+    /// fewer free huge pages than that.
+    pub use_hugepages: bool,
 }
 
 impl Default for DramSettings {
@@ -57,6 +69,8 @@ impl Default for DramSettings {
         Self {
             capacity: DEFAULT_CAPACITY,
             shards: 1,
+            transparent_hugepages: false,
+            use_hugepages: false,
         }
     }
 }
@@ -76,6 +90,15 @@ impl DramSettings {
             );
         }
         parse_settings("dram tier", table)
+    }
+
+    /// What backs the pool: reserved huge pages win over transparent ones.
+    fn backing(&self) -> Backing {
+        match (self.use_hugepages, self.transparent_hugepages) {
+            (true, _) => Backing::Reserved,
+            (false, true) => Backing::Transparent,
+            (false, false) => Backing::Base,
+        }
     }
 
     /// The capacity rounded down to whole [`GRANULE`]s, once the ranges hold.
@@ -143,17 +166,34 @@ impl DramTier {
     /// `mmap` (with the OS error).
     pub fn new(settings: DramSettings) -> anyhow::Result<Self> {
         let capacity = settings.checked_capacity()?;
-        let pool = Pool::new(capacity, settings.shards).with_context(|| {
-            format!(
+        let backing = settings.backing();
+        let pool = Pool::new(capacity, settings.shards, backing).with_context(|| match backing {
+            Backing::Reserved => format!(
+                "dram tier: cannot map {} of reserved huge pages (mmap with MAP_HUGETLB): the kernel \
+                 has fewer free 2 MiB huge pages than that (HugePages_Free in /proc/meminfo; raise \
+                 vm.nr_hugepages), or drop use_hugepages (--use-hugepages)",
+                describe_bytes(capacity.next_multiple_of(HUGE_PAGE) as u64)
+            ),
+            Backing::Base | Backing::Transparent => format!(
                 "dram tier: cannot reserve {} of address space (anonymous mmap with MAP_NORESERVE); \
                  check `ulimit -v` and vm.overcommit_memory, or lower the capacity",
                 describe_bytes(capacity as u64)
-            )
+            ),
         })?;
         tracing::info!(
             capacity_bytes = capacity,
             shards = settings.shards,
-            "dram tier mapped (committed lazily)"
+            pages = match backing {
+                Backing::Base => "base",
+                Backing::Transparent => "transparent huge (MADV_HUGEPAGE)",
+                Backing::Reserved => "reserved huge (MAP_HUGETLB)",
+            },
+            "dram tier mapped{}",
+            if backing == Backing::Reserved {
+                ""
+            } else {
+                " (committed lazily)"
+            }
         );
         if let Some(total) = physical_memory() {
             if capacity as u64 > total {
@@ -303,6 +343,14 @@ inventory::submit! {
                     name: "shards",
                     help: "independently locked sub-pools, used round-robin with fallback",
                 },
+                PluginOption {
+                    name: "transparent_hugepages",
+                    help: "align the pool to 2 MiB and advise MADV_HUGEPAGE (transparent huge pages where the kernel has them); committed lazily",
+                },
+                PluginOption {
+                    name: "use_hugepages",
+                    help: "back the pool with reserved huge pages (MAP_HUGETLB), reserved in full at start-up from vm.nr_hugepages",
+                },
             ],
         },
         flags: &[
@@ -320,6 +368,14 @@ inventory::submit! {
                 help: "Sub-pools of the DRAM tier, used round-robin. [default: 1]",
                 setting: "shards",
                 value: FlagValue::Integer { min: 1 },
+                adds_entry: false,
+            },
+            FactoryFlag {
+                long: "use-hugepages",
+                value_name: "BOOL",
+                help: "Back the DRAM tier with reserved 2 MiB huge pages (MAP_HUGETLB, from vm.nr_hugepages), reserved in full at start-up. [default: false]",
+                setting: "use_hugepages",
+                value: FlagValue::Bool,
                 adds_entry: false,
             },
         ],

@@ -32,7 +32,36 @@ pub(crate) fn footprint(len: usize) -> Option<usize> {
     len.checked_next_multiple_of(GRANULE)
 }
 
-/// An anonymous, lazily committed mapping.
+/// Bytes of one huge page (x86-64 and arm64 with 4 KiB base pages): the alignment of a
+/// mapping backed by huge pages, and the unit `trim` gives back on one.
+pub const HUGE_PAGE: usize = 2 << 20;
+
+/// The system's base page size in bytes (a power of two ≥ [`GRANULE`]; 4 KiB if unknown).
+fn base_page() -> usize {
+    // SAFETY: sysconf has no memory-safety preconditions.
+    usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
+        .ok()
+        .filter(|&p| p.is_power_of_two() && p >= GRANULE)
+        .unwrap_or(4096)
+}
+
+/// What backs the pool's pages.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Backing {
+    /// Base pages (4 KiB), committed lazily (`MAP_NORESERVE`).
+    Base,
+    /// Transparent huge pages: the mapping is aligned to [`HUGE_PAGE`] and advised
+    /// `MADV_HUGEPAGE`, so that faults (pinning faults in the whole pool) take 2 MiB pages
+    /// where the kernel has them (`/sys/kernel/mm/transparent_hugepage/enabled` of `always`
+    /// or `madvise`), base pages otherwise. Committed lazily.
+    Transparent,
+    /// Reserved huge pages (`MAP_HUGETLB`, the kernel's `vm.nr_hugepages` pool): reserved
+    /// in full at start-up, so a pool larger than the free huge pages fails to map instead
+    /// of faulting later. The length is rounded up to [`HUGE_PAGE`].
+    Reserved,
+}
+
+/// An anonymous mapping.
 #[derive(Debug)]
 struct Mapping {
     addr: usize,
@@ -40,16 +69,70 @@ struct Mapping {
 }
 
 impl Mapping {
-    /// Maps `len` bytes read-write, private, anonymous, without reserving swap: the kernel
-    /// commits pages on first touch.
-    fn anonymous(len: usize) -> io::Result<Self> {
+    /// Maps `len` bytes read-write, private, anonymous, backed as `backing` says. Base and
+    /// transparent pages are mapped without reserving swap: the kernel commits pages on
+    /// first touch.
+    fn anonymous(len: usize, backing: Backing) -> io::Result<Self> {
+        match backing {
+            Backing::Base => Self::map(len, libc::MAP_NORESERVE),
+            Backing::Reserved => {
+                let len = len.checked_next_multiple_of(HUGE_PAGE).ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::InvalidInput, "length overflows")
+                })?;
+                Self::map(len, libc::MAP_HUGETLB)
+            }
+            Backing::Transparent => {
+                // Over-map by one huge page and cut the unaligned head and tail away, so
+                // every 2 MiB of the pool can be one huge page.
+                let over = len.checked_add(HUGE_PAGE).ok_or_else(|| {
+                    io::Error::new(io::ErrorKind::InvalidInput, "length overflows")
+                })?;
+                let m = Self::map(over, libc::MAP_NORESERVE)?;
+                let start = m.addr.next_multiple_of(HUGE_PAGE);
+                let (head, end) = (start - m.addr, start + len.next_multiple_of(base_page()));
+                std::mem::forget(m);
+                // SAFETY: both ranges lie inside the fresh mapping `[m.addr, m.addr + over)`
+                // and outside the part kept; nothing refers to them.
+                unsafe {
+                    if head > 0 {
+                        libc::munmap((start - head) as *mut libc::c_void, head);
+                    }
+                    let tail = start - head + over - end;
+                    if tail > 0 {
+                        libc::munmap(end as *mut libc::c_void, tail);
+                    }
+                }
+                let kept = Self {
+                    addr: start,
+                    len: end - start,
+                };
+                // SAFETY: the range is the mapping just kept.
+                let rc = unsafe {
+                    libc::madvise(
+                        kept.addr as *mut libc::c_void,
+                        kept.len,
+                        libc::MADV_HUGEPAGE,
+                    )
+                };
+                if rc != 0 {
+                    tracing::warn!(
+                        err = %io::Error::last_os_error(),
+                        "dram tier: madvise(MADV_HUGEPAGE) failed (a kernel without transparent huge pages?): the pool uses base pages"
+                    );
+                }
+                Ok(kept)
+            }
+        }
+    }
+
+    fn map(len: usize, extra_flags: libc::c_int) -> io::Result<Self> {
         // SAFETY: a fresh anonymous mapping at a kernel-chosen address aliases nothing.
         let p = unsafe {
             libc::mmap(
                 std::ptr::null_mut(),
                 len,
                 libc::PROT_READ | libc::PROT_WRITE,
-                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | libc::MAP_NORESERVE,
+                libc::MAP_PRIVATE | libc::MAP_ANONYMOUS | extra_flags,
                 -1,
                 0,
             )
@@ -101,6 +184,7 @@ impl Shard {
 #[derive(Debug)]
 pub(crate) struct Pool {
     map: Mapping,
+    backing: Backing,
     capacity: usize,
     shards: Box<[Shard]>,
     next_shard: AtomicUsize,
@@ -110,10 +194,10 @@ pub(crate) struct Pool {
 impl Pool {
     /// Maps `capacity` bytes (a multiple of [`GRANULE`], > 0) split into `shards` sub-pools
     /// (1 ≤ `shards` ≤ `capacity / GRANULE`).
-    pub(crate) fn new(capacity: usize, shards: usize) -> io::Result<Self> {
+    pub(crate) fn new(capacity: usize, shards: usize, backing: Backing) -> io::Result<Self> {
         debug_assert!(capacity > 0 && capacity.is_multiple_of(GRANULE));
         debug_assert!(shards >= 1 && shards <= capacity / GRANULE);
-        let map = Mapping::anonymous(capacity)?;
+        let map = Mapping::anonymous(capacity, backing)?;
         let granules = capacity / GRANULE;
         let (per, extra) = (granules / shards, granules % shards);
         let mut start = 0;
@@ -132,6 +216,7 @@ impl Pool {
         debug_assert_eq!(start, capacity);
         Ok(Self {
             map,
+            backing,
             capacity,
             shards,
             next_shard: AtomicUsize::new(0),
@@ -388,11 +473,12 @@ impl Pool {
 
     /// Madvises free ranges of at least [`TRIM_MIN_EXTENT`] bytes away; returns bytes advised.
     pub(crate) fn trim(&self) -> u64 {
-        // SAFETY: sysconf has no memory-safety preconditions.
-        let page = usize::try_from(unsafe { libc::sysconf(libc::_SC_PAGESIZE) })
-            .ok()
-            .filter(|&p| p.is_power_of_two() && p >= GRANULE)
-            .unwrap_or(4096);
+        let base = base_page();
+        // On huge pages, only whole ones go back (a partial one would be split, or refused).
+        let page = match self.backing {
+            Backing::Base => base,
+            Backing::Transparent | Backing::Reserved => HUGE_PAGE.max(base),
+        };
         let mut advised = 0u64;
         for shard in self.shards.iter() {
             let candidates: Vec<(usize, usize)> = shard
@@ -402,7 +488,7 @@ impl Pool {
                 .filter(|&(_, l)| l >= TRIM_MIN_EXTENT)
                 .collect();
             for (off, len) in candidates {
-                // The mapping is page-aligned, so page-aligned offsets are page-aligned addresses.
+                // The mapping is aligned to `page`, so aligned offsets are aligned addresses.
                 let mut a = off.next_multiple_of(page);
                 let end = (off + len) / page * page;
                 while a < end {

@@ -7,7 +7,12 @@ use pegaflow_runtime::Extent;
 use proptest::prelude::*;
 
 fn tier(capacity: u64, shards: usize) -> DramTier {
-    DramTier::new(DramSettings { capacity, shards }).expect("tier builds")
+    DramTier::new(DramSettings {
+        capacity,
+        shards,
+        ..DramSettings::default()
+    })
+    .expect("tier builds")
 }
 
 fn table(text: &str) -> toml::Table {
@@ -352,6 +357,98 @@ fn trim_skips_small_free_ranges() {
     assert_eq!(t.trim_free_memory(), 0);
 }
 
+/// The `VmFlags` line of this process's mapping that starts at `addr` (`/proc/self/smaps`).
+fn vm_flags(addr: usize) -> Option<String> {
+    let smaps = std::fs::read_to_string("/proc/self/smaps").ok()?;
+    let head = format!("{addr:x}-");
+    let mut lines = smaps.lines().skip_while(|l| !l.starts_with(&head));
+    lines.next()?;
+    lines
+        .find(|l| l.starts_with("VmFlags:"))
+        .map(|l| l.trim_start_matches("VmFlags:").trim().to_string())
+}
+
+#[test]
+fn transparent_hugepages_align_the_pool_and_advise_it() {
+    let capacity = (8 << 20) + 3 * GRANULE as u64;
+    let t = DramTier::new(DramSettings {
+        capacity,
+        transparent_hugepages: true,
+        ..DramSettings::default()
+    })
+    .expect("tier builds");
+    let (addr, len) = t.backing_range();
+    assert!(
+        addr.is_multiple_of(HUGE_PAGE),
+        "{addr:#x} on a 2 MiB boundary"
+    );
+    assert_eq!(len as u64, capacity);
+    let flags = vm_flags(addr).expect("the pool's mapping is listed in smaps");
+    assert!(
+        flags.split_whitespace().any(|f| f == "hg"),
+        "advised MADV_HUGEPAGE: {flags}"
+    );
+    // It serves as any pool: whole, exact, and the last granule is writable.
+    let a = t.allocate(4 << 20).unwrap();
+    let b = t.allocate((capacity as usize) - (4 << 20)).unwrap();
+    fill(&a, 1);
+    fill(&b, 2);
+    assert!(check(&a, 1) && check(&b, 2));
+    assert_eq!(t.used_bytes(), capacity);
+    drop(b);
+    // Trim gives back whole huge pages only: of the 4 MiB + 1536 B free at the end (from a
+    // 2 MiB boundary), the 4 MiB.
+    assert_eq!(t.trim_free_memory(), 4 << 20);
+    assert!(check(&a, 1), "trim must not touch live buffers");
+}
+
+#[test]
+fn base_pages_are_not_advised() {
+    let t = tier(4 << 20, 1);
+    let flags = vm_flags(t.backing_range().0).expect("listed in smaps");
+    assert!(!flags.split_whitespace().any(|f| f == "hg"), "{flags}");
+}
+
+/// Free 2 MiB huge pages of the kernel's reserved pool (`/proc/meminfo`).
+fn free_huge_pages() -> u64 {
+    std::fs::read_to_string("/proc/meminfo")
+        .ok()
+        .and_then(|m| {
+            m.lines()
+                .find_map(|l| l.strip_prefix("HugePages_Free:"))
+                .and_then(|v| v.trim().parse().ok())
+        })
+        .unwrap_or(0)
+}
+
+#[test]
+fn reserved_hugepages_map_in_full_or_fail_clearly() {
+    let settings = |capacity| DramSettings {
+        capacity,
+        use_hugepages: true,
+        // Reserved pages win over transparent ones.
+        transparent_hugepages: true,
+        ..DramSettings::default()
+    };
+    // More than the kernel's free huge pages: refused at start-up, naming the remedy.
+    let too_many = (free_huge_pages() + 1) * HUGE_PAGE as u64;
+    let e = format!("{:#}", DramTier::new(settings(too_many)).unwrap_err());
+    assert!(
+        e.contains("MAP_HUGETLB") && e.contains("vm.nr_hugepages"),
+        "{e}"
+    );
+    if free_huge_pages() == 0 {
+        println!("SKIP (the mapping part): this machine has no free reserved huge pages");
+        return;
+    }
+    let t = DramTier::new(settings(3 << 19)).expect("1.5 MiB on one free huge page");
+    let (addr, _) = t.backing_range();
+    assert!(addr.is_multiple_of(HUGE_PAGE));
+    let b = t.allocate(3 << 19).unwrap();
+    fill(&b, 9);
+    assert!(check(&b, 9));
+}
+
 #[test]
 fn huge_capacity_maps_lazily() {
     // Far more than this machine's memory: the mapping is committed only as it is written.
@@ -424,6 +521,11 @@ fn default_settings_and_factory() {
     );
     assert_eq!(t.capacity_bytes(), 3 << 19);
     assert!(pegaflow_runtime::describe_plugins().contains("dram"));
+    let s = DramSettings::from_table(&table(
+        "transparent_hugepages = true\nuse_hugepages = false",
+    ))
+    .unwrap();
+    assert!(s.transparent_hugepages && !s.use_hugepages);
 }
 
 #[test]
