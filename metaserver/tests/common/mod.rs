@@ -46,16 +46,15 @@ pub fn free_port() -> u16 {
         .expect("a free port")
 }
 
-/// Whether a server's log says it could not bind because the address is taken (ours says
-/// `Address already in use (os error 98)`; a gRPC core says `Failed to bind`).
+/// Whether a server's log says it could not bind because the address is taken (`Address
+/// already in use (os error 98)`, `[Errno 98]`).
 fn addr_in_use(log: &str) -> bool {
     let log = log.to_ascii_lowercase();
     [
+        "address already in use",
         "address in use",
-        "already in use",
+        "os error 98",
         "errno 98",
-        "failed to bind",
-        "cannot bind",
     ]
     .iter()
     .any(|m| log.contains(m))

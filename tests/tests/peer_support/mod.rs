@@ -232,7 +232,11 @@ impl Node {
     /// The last 4 KiB of its log.
     pub fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
-        s[s.len().saturating_sub(4096)..].to_string()
+        let mut at = s.len().saturating_sub(4096);
+        while !s.is_char_boundary(at) {
+            at += 1;
+        }
+        s[at..].to_string()
     }
 
     /// `ip:port` of its gRPC service (its directory identity).

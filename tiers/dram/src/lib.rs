@@ -1,7 +1,8 @@
 //! `pegaflow-tier-dram`: the host-DRAM landing tier (pipeline kind `dram`).
 //!
 //! Owns: one anonymous mapping of the configured capacity (`MAP_NORESERVE`, so the kernel
-//! commits pages lazily and a 30 GiB pool starts on a machine with less free memory), split
+//! commits pages lazily and a 30 GiB pool starts on a machine with less free memory; with
+//! `use_hugepages`, reserved huge pages instead, reserved in full at start-up), split
 //! into `shards` independently locked sub-pools, and the allocator that hands out
 //! [`HostBuffer`]s from it in 512-byte granules. Transports copy straight into these buffers
 //! on Save and out of them on Load; the runtime installs its
@@ -169,15 +170,19 @@ impl DramTier {
         let backing = settings.backing();
         let pool = Pool::new(capacity, settings.shards, backing).with_context(|| match backing {
             Backing::Reserved => format!(
-                "dram tier: cannot map {} of reserved huge pages (mmap with MAP_HUGETLB): the kernel \
-                 has fewer free 2 MiB huge pages than that (HugePages_Free in /proc/meminfo; raise \
-                 vm.nr_hugepages), or drop use_hugepages (--use-hugepages)",
+                "dram tier: cannot map {} of reserved 2 MiB huge pages (mmap with MAP_HUGETLB): \
+                 ENOMEM means the kernel has fewer free ones than that \
+                 (/sys/kernel/mm/hugepages/hugepages-2048kB/free_hugepages; raise vm.nr_hugepages), \
+                 EINVAL a kernel without 2 MiB hugetlb pages; or drop use_hugepages (--use-hugepages)",
                 describe_bytes(capacity.next_multiple_of(HUGE_PAGE) as u64)
             ),
             Backing::Base | Backing::Transparent => format!(
                 "dram tier: cannot reserve {} of address space (anonymous mmap with MAP_NORESERVE); \
                  check `ulimit -v` and vm.overcommit_memory, or lower the capacity",
-                describe_bytes(capacity as u64)
+                // Transparent huge pages map one more huge page, to align the pool.
+                describe_bytes(
+                    (capacity + if backing == Backing::Transparent { HUGE_PAGE } else { 0 }) as u64
+                )
             ),
         })?;
         tracing::info!(

@@ -32,8 +32,9 @@ pub(crate) fn footprint(len: usize) -> Option<usize> {
     len.checked_next_multiple_of(GRANULE)
 }
 
-/// Bytes of one huge page (x86-64 and arm64 with 4 KiB base pages): the alignment of a
-/// mapping backed by huge pages, and the unit `trim` gives back on one.
+/// Bytes of one huge page as the pool uses them (`MAP_HUGE_2MB` for reserved pages; the
+/// transparent huge page size of x86-64 and of arm64 with 4 KiB base pages): the alignment of
+/// a mapping backed by huge pages, and the unit `trim` gives back on transparent ones.
 pub const HUGE_PAGE: usize = 2 << 20;
 
 /// The system's base page size in bytes (a power of two ≥ [`GRANULE`]; 4 KiB if unknown).
@@ -55,9 +56,10 @@ pub(crate) enum Backing {
     /// where the kernel has them (`/sys/kernel/mm/transparent_hugepage/enabled` of `always`
     /// or `madvise`), base pages otherwise. Committed lazily.
     Transparent,
-    /// Reserved huge pages (`MAP_HUGETLB`, the kernel's `vm.nr_hugepages` pool): reserved
-    /// in full at start-up, so a pool larger than the free huge pages fails to map instead
-    /// of faulting later. The length is rounded up to [`HUGE_PAGE`].
+    /// Reserved 2 MiB huge pages (`MAP_HUGETLB | MAP_HUGE_2MB`, the kernel's 2 MiB huge-page
+    /// pool): reserved in full at start-up, so a pool larger than the free huge pages fails
+    /// to map instead of faulting later. The length is rounded up to [`HUGE_PAGE`]; `trim`
+    /// gives nothing back.
     Reserved,
 }
 
@@ -69,17 +71,22 @@ struct Mapping {
 }
 
 impl Mapping {
-    /// Maps `len` bytes read-write, private, anonymous, backed as `backing` says. Base and
-    /// transparent pages are mapped without reserving swap: the kernel commits pages on
-    /// first touch.
-    fn anonymous(len: usize, backing: Backing) -> io::Result<Self> {
+    /// Maps `len` bytes read-write, private, anonymous, backed as `backing` says; returns the
+    /// mapping and the backing it got (base pages where the kernel refused the huge-page
+    /// advice). Base and transparent pages are mapped without reserving swap: the kernel
+    /// commits pages on first touch.
+    fn anonymous(len: usize, backing: Backing) -> io::Result<(Self, Backing)> {
         match backing {
-            Backing::Base => Self::map(len, libc::MAP_NORESERVE),
+            Backing::Base => Ok((Self::map(len, libc::MAP_NORESERVE)?, Backing::Base)),
             Backing::Reserved => {
                 let len = len.checked_next_multiple_of(HUGE_PAGE).ok_or_else(|| {
                     io::Error::new(io::ErrorKind::InvalidInput, "length overflows")
                 })?;
-                Self::map(len, libc::MAP_HUGETLB)
+                // 2 MiB pages whatever the kernel's default huge page size.
+                Ok((
+                    Self::map(len, libc::MAP_HUGETLB | libc::MAP_HUGE_2MB)?,
+                    Backing::Reserved,
+                ))
             }
             Backing::Transparent => {
                 // Over-map by one huge page and cut the unaligned head and tail away, so
@@ -119,8 +126,9 @@ impl Mapping {
                         err = %io::Error::last_os_error(),
                         "dram tier: madvise(MADV_HUGEPAGE) failed (a kernel without transparent huge pages?): the pool uses base pages"
                     );
+                    return Ok((kept, Backing::Base));
                 }
-                Ok(kept)
+                Ok((kept, Backing::Transparent))
             }
         }
     }
@@ -197,7 +205,7 @@ impl Pool {
     pub(crate) fn new(capacity: usize, shards: usize, backing: Backing) -> io::Result<Self> {
         debug_assert!(capacity > 0 && capacity.is_multiple_of(GRANULE));
         debug_assert!(shards >= 1 && shards <= capacity / GRANULE);
-        let map = Mapping::anonymous(capacity, backing)?;
+        let (map, backing) = Mapping::anonymous(capacity, backing)?;
         let granules = capacity / GRANULE;
         let (per, extra) = (granules / shards, granules % shards);
         let mut start = 0;
@@ -471,13 +479,16 @@ impl Pool {
         ok.then_some((off, len))
     }
 
-    /// Madvises free ranges of at least [`TRIM_MIN_EXTENT`] bytes away; returns bytes advised.
+    /// Madvises free ranges of at least [`TRIM_MIN_EXTENT`] bytes away; returns bytes advised
+    /// (none on reserved huge pages).
     pub(crate) fn trim(&self) -> u64 {
-        let base = base_page();
-        // On huge pages, only whole ones go back (a partial one would be split, or refused).
+        // Transparent huge pages go back whole only (a partial one would be split). Reserved
+        // ones never: a page given back leaves the start-up reservation, and a later fault
+        // could find the kernel's huge-page pool empty (SIGBUS).
         let page = match self.backing {
-            Backing::Base => base,
-            Backing::Transparent | Backing::Reserved => HUGE_PAGE.max(base),
+            Backing::Base => base_page(),
+            Backing::Transparent => HUGE_PAGE.max(base_page()),
+            Backing::Reserved => return 0,
         };
         let mut advised = 0u64;
         for shard in self.shards.iter() {
