@@ -188,13 +188,13 @@ impl DramTier {
         tracing::info!(
             capacity_bytes = capacity,
             shards = settings.shards,
-            pages = match backing {
+            pages = match pool.pages() {
                 Backing::Base => "base",
                 Backing::Transparent => "transparent huge (MADV_HUGEPAGE)",
                 Backing::Reserved => "reserved huge (MAP_HUGETLB)",
             },
             "dram tier mapped{}",
-            if backing == Backing::Reserved {
+            if pool.pages() == Backing::Reserved {
                 ""
             } else {
                 " (committed lazily)"

@@ -244,6 +244,12 @@ impl Pool {
         self.shards.len()
     }
 
+    /// What backs the pool's pages: as configured, or base pages where the kernel refused the
+    /// transparent huge-page advice.
+    pub(crate) fn pages(&self) -> Backing {
+        self.backing
+    }
+
     /// `(addr, len)` of the mapping.
     pub(crate) fn backing(&self) -> (usize, usize) {
         (self.map.addr, self.capacity)
