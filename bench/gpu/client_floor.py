@@ -4,7 +4,11 @@ server decodes the request and refuses it without copying anything. The time per
 client building and encoding the request, the HTTP/2 round trip and the server's decode: the
 floor under every Save of that shape, on any server. Needs no GPU.
 
-    python3 client_floor.py [--endpoint URL] [--batch 256] [--layers 32] [--rpcs 200]
+    python3 client_floor.py [--endpoint URL] [--batch 256] [--layers 32] [--rpcs 200] [--torch]
+
+`--torch` first imports torch and starts CUDA in this process, as pf_bench.py's process has
+(its threads and allocator are then there while the client works), so that the floor is
+measured in the same kind of process as the bench it bounds.
 
 Prints one JSON line: mean and p50 milliseconds per RPC, and the Save GB/s ceiling this floor
 allows for 2 MiB blocks (bytes per RPC / (the p50 floor + the bytes at `--bus-gbps`)).
@@ -26,7 +30,12 @@ p.add_argument("--block-bytes", type=int, default=2 << 20, help="bytes of one bl
 p.add_argument("--bus-gbps", type=float, default=55.2, help="copy bandwidth assumed for the ceiling")
 p.add_argument("--rpcs", type=int, default=200)
 p.add_argument("--tag", default="server")
+p.add_argument("--torch", action="store_true", help="import torch and start CUDA first, as pf_bench.py does")
 a = p.parse_args()
+if a.torch:
+    import torch
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
 
 client = EngineRpcClient(a.endpoint)
 names = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
@@ -56,7 +65,7 @@ payload = a.batch * a.block_bytes
 # can stall a few of the first RPCs by tens of milliseconds.
 ceiling = payload / (p50 + payload / (a.bus_gbps * 1e9)) / 1e9
 print(json.dumps({
-    "tag": a.tag, "phase": "client_floor", "batch": a.batch, "layers": a.layers,
+    "tag": a.tag, "phase": "client_floor", "torch": a.torch, "batch": a.batch, "layers": a.layers,
     "rpcs": len(times), "mean_ms": round(mean * 1e3, 3), "p50_ms": round(p50 * 1e3, 3),
     "save_ceiling_gbps": round(ceiling, 1), "refusal": msg[:120],
 }), flush=True)

@@ -289,6 +289,11 @@ struct Job {
     /// ([`Transport::copy_parts`]).
     parts: Option<OpParts>,
     reply: oneshot::Sender<Result<CopyReport, TransportError>>,
+    /// Told when the worker starts polling for the batch's end ([`Wait::Tail`]'s tail, or at
+    /// once under [`Wait::Spin`]); dropped unsent under [`Wait::Sleep`]. The caller then polls
+    /// `reply` on its own task, so the runtime thread that carries the answer on is awake when
+    /// the copy ends instead of being woken by the worker after it.
+    near_end: oneshot::Sender<()>,
     /// When `copy` sent it (the debug log's `queued_us`: how long it waited for the worker).
     sent: std::time::Instant,
 }
@@ -579,21 +584,41 @@ impl CudaTransport {
             });
         }
         let tx = self.worker(ordinal, batch.direction)?;
-        let (reply, rx) = oneshot::channel();
+        let (reply, mut rx) = oneshot::channel();
+        let (near_end, near_rx) = oneshot::channel();
         let job = Job {
             batch,
             parts,
             reply,
+            near_end,
             sent: std::time::Instant::now(),
         };
         tx.send(job).await.map_err(|_| {
             TransportError(format!("the cuda copy worker of GPU {ordinal} is gone"))
         })?;
-        rx.await.map_err(|_| {
+        let stopped = || {
             TransportError(format!(
                 "the cuda copy worker of GPU {ordinal} stopped mid-batch"
             ))
-        })?
+        };
+        if near_rx.await.is_ok() {
+            // The batch is in its tail: poll for the answer on this task, yielding between
+            // polls, for at most POLL_LIMIT (the worker's own limit), then sleep on it.
+            let until = std::time::Instant::now() + POLL_LIMIT;
+            loop {
+                match rx.try_recv() {
+                    Ok(r) => return r,
+                    Err(oneshot::error::TryRecvError::Closed) => return Err(stopped()),
+                    Err(oneshot::error::TryRecvError::Empty)
+                        if std::time::Instant::now() < until =>
+                    {
+                        tokio::task::yield_now().await;
+                    }
+                    Err(oneshot::error::TryRecvError::Empty) => break,
+                }
+            }
+        }
+        rx.await.map_err(|_| stopped())?
     }
 }
 
@@ -667,6 +692,7 @@ fn worker_main(
     };
     while let Some(mut job) = rx.blocking_recv() {
         let queued_us = job.sent.elapsed().as_micros() as u64;
+        w.near_end = Some(job.near_end);
         let (batch, parts) = (&mut job.batch, job.parts.as_mut());
         let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(batch, parts, queued_us)))
             .unwrap_or_else(|_| {
@@ -743,6 +769,8 @@ struct Worker {
     /// Events (`CU_EVENT_BLOCKING_SYNC`) for the marks, created as batches need them and
     /// reused by later batches (re-recording an event after its batch synchronised is safe).
     mark_events: Vec<sys::CUevent>,
+    /// The running batch's [`Job::near_end`], sent (or dropped) by [`Worker::sync`].
+    near_end: Option<oneshot::Sender<()>>,
     /// Bytes the running batch enqueued, and since its last mark.
     enqueued: u64,
     since_mark: u64,
@@ -803,6 +831,7 @@ impl Worker {
             done: Vec::with_capacity(n),
             polled: Vec::with_capacity(n),
             marks: Vec::new(),
+            near_end: None,
             mark_events: Vec::new(),
             enqueued: 0,
             since_mark: 0,
@@ -878,6 +907,7 @@ impl Worker {
     /// Waits for everything enqueued on every stream, as `cfg.wait` says.
     fn sync(&mut self) -> Result<(), CudaError> {
         // How long each stream's end is polled before sleeping on it (None: not at all).
+        let near_end = self.near_end.take();
         let poll: Option<Duration> = match self.cfg.wait {
             Wait::Sleep => None,
             Wait::Spin => Some(Duration::MAX),
@@ -892,6 +922,12 @@ impl Worker {
                 Some(POLL_LIMIT)
             }
         };
+        if poll.is_some() {
+            // The caller starts polling for the answer too (`CudaTransport::submit`).
+            if let Some(tx) = near_end {
+                let _ = tx.send(());
+            }
+        }
         self.marks.clear();
         let mut first = Ok(());
         for k in 0..self.streams.len() {
