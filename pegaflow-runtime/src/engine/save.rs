@@ -138,6 +138,7 @@ impl Engine {
     /// or copy.
     pub async fn save(&self, cmd: SaveCommand) -> EngineResult<()> {
         let mut clock = PhaseClock::start();
+        tracing::debug!(layers = cmd.layers.len(), "save started");
         let phases = &self.metrics.rpc_phases;
         let inst = self.instance(&cmd.instance_id)?;
         // The non-empty layers, and their indices in the request.
@@ -348,6 +349,7 @@ impl Engine {
         // The copy holds the buffers (one reference for the whole list) until it ends.
         let bufs = Arc::new(bufs);
         let keep = (bufs.clone(), wl.worker.clone());
+        tracing::debug!(blocks = plan.blocks.len(), "save copy starting");
         let (mut feed, copy) = super::copy::start_copy(transport, batch, keep).await;
         for (b, buf) in bufs.iter().enumerate() {
             let mut bytes = 0;
