@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # On the GPU machine: an interleaved A/B of server builds or settings with the published-client
 # bench, kernel backend. Each entry of BINS is BIN or BIN:CFG: the server binary BIN in this folder,
-# started with `--config CFG.toml` (from this folder) when CFG is given. Each entry gets its own
+# started with `--config CFG.toml` (from this folder) when CFG is given; a leading `@` (`@BIN`)
+# runs that entry while a helper holds /dev/cpu_dma_latency at 0 µs (no deep CPU idle states on
+# the whole machine, client included; needs root). Each entry gets its own
 # server start (16 GiB pool), then optionally the client floor (FLOOR=1), then pf_bench.py.
 # Env: BINS (default "pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server"),
 # BATCH (Save RPC size, default 256), REPS (default 3), FLOOR (0), SRV_LOG (RUST_LOG, default info).
@@ -19,7 +21,13 @@ stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev
 i=0
 for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server}; do
   i=$((i+1))
-  bin=${entry%%:*}; cfg=""; [ "$entry" != "$bin" ] && cfg="--config $d/${entry#*:}.toml"
+  qos_pid=""
+  if [ "${entry#@}" != "$entry" ]; then
+    python3 "$d/hold_cpu_latency.py" 0 & qos_pid=$!
+    sleep 0.5
+  fi
+  spec=${entry#@}
+  bin=${spec%%:*}; cfg=""; [ "$spec" != "$bin" ] && cfg="--config $d/${spec#*:}.toml"
   log="$logs/ab-$i.log"
   RUST_LOG=${SRV_LOG:-info} "$d/$bin" $cfg --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb --enable-prometheus > "$log" 2>&1 & pid=$!
   wait_health || { echo "$entry did not start"; tail -5 "$log"; stop_pid $pid; continue; }
@@ -45,6 +53,7 @@ phases = {p: round(v["sum"] / max(v["count"], 1) * 1e3, 3) for p, v in ph.items(
 print(f"{tag}: save {save} load {load} byte-exact {exact} save phases ms {phases}")
 PY
   stop_pid $pid
+  [ -n "$qos_pid" ] && kill "$qos_pid"
 done
 python3 - "$out/ab.jsonl" <<'PY'
 import json, sys, collections, statistics
