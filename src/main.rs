@@ -17,6 +17,11 @@ use pegaflow_transport_shm as _;
 #[cfg(feature = "tcp")]
 use pegaflow_transport_tcp as _;
 
+/// The heap allocator (the `mimalloc` feature, on by default): see Cargo.toml's feature list.
+#[cfg(feature = "mimalloc")]
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 fn main() -> std::process::ExitCode {
     pegaflow_runtime::main()
 }

@@ -4,6 +4,11 @@
 
 use std::sync::Arc;
 
+/// The server binary's heap allocator (its default `mimalloc` feature), so that the benches
+/// measure the per-block heap work as the server does it.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
+
 use pegaflow_api::client::{single_group_load, EngineClient, LoadCompletion, QueryOutcome};
 use pegaflow_bench::server::{layer_name, InProcessServer, KvCache};
 use pegaflow_proto as pb;

@@ -6,6 +6,11 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
+
+/// The server binary's heap allocator (its default `mimalloc` feature), for an in-process
+/// server that allocates as `pegaflow-server` does.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Args, Parser, Subcommand};
 use pegaflow_bench::model::{human_bytes, BlockGeometry, ModelPreset, PRESETS};
 use pegaflow_bench::replay::{self, ReplayOptions};
