@@ -4,17 +4,17 @@
 
 use std::sync::Arc;
 
-/// The server binary's heap allocator (its default `mimalloc` feature), so that the benches
-/// measure the per-block heap work as the server does it.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
-
 use pegaflow_api::client::{single_group_load, EngineClient, LoadCompletion, QueryOutcome};
 use pegaflow_bench::server::{layer_name, InProcessServer, KvCache};
 use pegaflow_proto as pb;
 use pegaflow_runtime::decode;
 use pegaflow_runtime::engine::command::{QueryAnswer, QueryCommand, SaveCommand};
 use pegaflow_runtime::engine::Engine;
+
+/// The server binary's heap allocator (its default `mimalloc` feature), so that the benches
+/// measure the per-block heap work as the server does it.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 /// An in-process server with one registered host-memfd instance.
 pub struct Fixture {

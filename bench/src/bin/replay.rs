@@ -6,17 +6,17 @@ use std::process::ExitCode;
 use std::time::{SystemTime, UNIX_EPOCH};
 
 use anyhow::Context;
-
-/// The server binary's heap allocator (its default `mimalloc` feature), for an in-process
-/// server that allocates as `pegaflow-server` does.
-#[global_allocator]
-static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 use clap::{Args, Parser, Subcommand};
 use pegaflow_bench::model::{human_bytes, BlockGeometry, ModelPreset, PRESETS};
 use pegaflow_bench::replay::{self, ReplayOptions};
 use pegaflow_bench::sweep::{self, ReplayPoint};
 use pegaflow_bench::trace::{self, TraceRequest};
 use pegaflow_runtime::config::parse_size;
+
+/// The server binary's heap allocator (its default `mimalloc` feature), for an in-process
+/// server that allocates as `pegaflow-server` does.
+#[global_allocator]
+static ALLOC: mimalloc::MiMalloc = mimalloc::MiMalloc;
 
 fn size_arg(s: &str) -> Result<u64, String> {
     parse_size(s).map_err(|e| e.to_string())
