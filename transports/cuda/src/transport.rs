@@ -88,9 +88,11 @@ pub enum Wait {
     /// the copy. A mark can only follow a whole copy or chunk, so the polled part is up to one
     /// `staging_chunk` (or one direct copy) longer than the tail; polling stops after
     /// [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy never holds a core.
+    /// From the tail on, the task that waits for the batch also polls for the worker's
+    /// answer (yielding to the async runtime between polls) for up to [`POLL_LIMIT`].
     Tail,
     /// Poll every stream's end: the lowest latency, one core busy per copying worker for the
-    /// whole batch.
+    /// whole batch; the waiting task polls for the answer as under [`Wait::Tail`].
     Spin,
 }
 
@@ -101,7 +103,8 @@ pub const TAIL_BYTES: u64 = 16 << 20;
 /// are enqueued: 8 MiB.
 pub const MARK_BYTES: u64 = 8 << 20;
 /// [`Wait::Tail`] polls one stream's end for at most this long, then sleeps: 2 ms, more than
-/// one 64 MiB staging chunk's copy (1.2 ms at 55 GB/s) plus the tail.
+/// one 64 MiB staging chunk's copy (1.2 ms at 55 GB/s) plus the tail. Under Tail and Spin the
+/// task waiting for a batch polls for the worker's answer for at most this long too.
 pub const POLL_LIMIT: Duration = Duration::from_millis(2);
 
 /// What actually ran for a batch.
@@ -248,7 +251,7 @@ const OPTIONS: &[PluginOption] = &[
     },
     PluginOption {
         name: "wait",
-        help: "how a worker waits for a batch's end: tail (sleep until its last 16 MiB, then poll) | sleep (until the GPU's interrupt) | spin (poll: one core per copying worker)",
+        help: "how a worker waits for a batch's end: tail (sleep until its last 16 MiB, then poll; the waiting task polls for the answer too, up to 2 ms) | sleep (until the GPU's interrupt) | spin (poll: one core per copying worker)",
     },
 ];
 
@@ -289,10 +292,12 @@ struct Job {
     /// ([`Transport::copy_parts`]).
     parts: Option<OpParts>,
     reply: oneshot::Sender<Result<CopyReport, TransportError>>,
-    /// Told when the worker starts polling for the batch's end ([`Wait::Tail`]'s tail, or at
-    /// once under [`Wait::Spin`]); dropped unsent under [`Wait::Sleep`]. The caller then polls
-    /// `reply` on its own task, so the runtime thread that carries the answer on is awake when
-    /// the copy ends instead of being woken by the worker after it.
+    /// Told when the worker starts polling for the batch's end (after the last part is
+    /// enqueued: at [`Wait::Tail`]'s tail, or at once under [`Wait::Spin`]); dropped unsent
+    /// when the batch fails before that (after its reply), and unused under [`Wait::Sleep`].
+    /// The caller then polls `reply` on its own task, yielding, for up to [`POLL_LIMIT`], so
+    /// the runtime thread that carries the answer on is awake when the copy ends instead of
+    /// being woken by the worker after it.
     near_end: oneshot::Sender<()>,
     /// When `copy` sent it (the debug log's `queued_us`: how long it waited for the worker).
     sent: std::time::Instant,
@@ -586,6 +591,10 @@ impl CudaTransport {
         let tx = self.worker(ordinal, batch.direction)?;
         let (reply, mut rx) = oneshot::channel();
         let (near_end, near_rx) = oneshot::channel();
+        let caller_polls = self
+            .shared
+            .as_ref()
+            .is_ok_and(|s| s.cfg.wait != Wait::Sleep);
         let job = Job {
             batch,
             parts,
@@ -601,9 +610,9 @@ impl CudaTransport {
                 "the cuda copy worker of GPU {ordinal} stopped mid-batch"
             ))
         };
-        if near_rx.await.is_ok() {
+        if caller_polls && near_rx.await.is_ok() {
             // The batch is in its tail: poll for the answer on this task, yielding between
-            // polls, for at most POLL_LIMIT (the worker's own limit), then sleep on it.
+            // polls, for at most POLL_LIMIT (the worker's limit under Tail), then sleep on it.
             let until = std::time::Instant::now() + POLL_LIMIT;
             loop {
                 match rx.try_recv() {
@@ -702,6 +711,9 @@ fn worker_main(
             })
             .map_err(|e| TransportError(format!("GPU {ordinal}: {e}")));
         let _ = job.reply.send(r);
+        // A batch that failed before its wait never sent `near_end`: dropping it now (after
+        // the reply, so the caller finds the answer ready) wakes a caller still waiting on it.
+        w.near_end = None;
     }
 }
 
@@ -909,6 +921,7 @@ impl Worker {
         // How long each stream's end is polled before sleeping on it (None: not at all).
         let near_end = self.near_end.take();
         let poll: Option<Duration> = match self.cfg.wait {
+            // The caller does not wait on `near_end` under Sleep (`CudaTransport::submit`).
             Wait::Sleep => None,
             Wait::Spin => Some(Duration::MAX),
             Wait::Tail => {

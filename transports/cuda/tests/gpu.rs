@@ -309,6 +309,62 @@ fn a_batch_whose_parts_stop_unfinished_fails_and_the_worker_goes_on() {
     roundtrip_split(&f, &ops, TransferMode::Kernel, CopyPath::Staged, 801, 3);
 }
 
+/// A batch that fails before its wait (no part ever sent, or the mapped path's gather cut
+/// short) answers its caller at once, under every wait mode: the caller, which waits for the
+/// worker's "near the end" signal first, must not be left waiting for a signal never sent.
+#[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
+fn a_batch_that_fails_before_its_wait_answers_at_once_in_every_wait_mode() {
+    if !gpu_tests() {
+        return;
+    }
+    driver().expect("PEGAFLOW_GPU_TESTS=1 but no CUDA driver");
+    for wait in [Wait::Tail, Wait::Spin, Wait::Sleep] {
+        for kernel_path in [KernelPath::Staged, KernelPath::Mapped] {
+            let cfg = CudaTransportConfig {
+                policy: Policy::Hint,
+                kernel_path,
+                staging_chunk: 1 << 20,
+                wait,
+                ..Default::default()
+            };
+            let f = fixture(cfg, 13);
+            let mut rng = Rng(17);
+            let ops = make_ops(&mut rng, f.dev.ptr(), f.arena.addr(), f.arena.len());
+            // No part at all; then (the mapped path gathers every part before it starts) one
+            // part and no more.
+            for sent in [0, ops.len() / 2] {
+                let (tx, parts) = op_parts();
+                if sent > 0 {
+                    tx.send(ops[..sent].to_vec());
+                }
+                drop(tx);
+                let batch = CopyBatch {
+                    location: pegaflow_transport_cuda::cuda_space(0),
+                    direction: Direction::ToHost,
+                    mode: TransferMode::Kernel,
+                    ops: Vec::new(),
+                };
+                let r = block_on(tokio::time::timeout(
+                    Duration::from_secs(20),
+                    f.transport.copy_parts_with_report(batch, parts),
+                ));
+                let what = format!("{wait:?} {kernel_path:?}, {sent} ops sent");
+                let err = r
+                    .unwrap_or_else(|_| panic!("{what}: no answer within 20 s"))
+                    .unwrap_err();
+                assert!(err.0.contains("last part"), "{what}: {err}");
+            }
+            // The worker serves the next batch.
+            let path = match kernel_path {
+                KernelPath::Staged => CopyPath::Staged,
+                KernelPath::Mapped => CopyPath::Mapped,
+            };
+            roundtrip(&f, &ops, TransferMode::Kernel, path, 820);
+        }
+    }
+}
+
 #[test]
 #[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn unpinned_host_memory_takes_the_pageable_safe_path() {
