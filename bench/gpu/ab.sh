@@ -18,13 +18,17 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --tar
 export PYTHONPATH=/tmp/pf-site
 wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
 stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.25; done; kill -9 "$1" 2>/dev/null; }
+qos_pid=""
+# The latency helper never outlives the script (a failed start, an interrupt, the end).
+trap '[ -n "$qos_pid" ] && kill "$qos_pid" 2>/dev/null' EXIT
 i=0
 for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server}; do
   i=$((i+1))
-  qos_pid=""
+  if [ -n "$qos_pid" ]; then stop_pid "$qos_pid"; qos_pid=""; fi
   if [ "${entry#@}" != "$entry" ]; then
     python3 "$d/hold_cpu_latency.py" 0 & qos_pid=$!
     sleep 0.5
+    kill -0 "$qos_pid" 2>/dev/null || { echo "$entry: cannot hold /dev/cpu_dma_latency (root only); skipped"; qos_pid=""; continue; }
   fi
   spec=${entry#@}
   bin=${spec%%:*}; cfg=""; [ "$spec" != "$bin" ] && cfg="--config $d/${spec#*:}.toml"
@@ -53,7 +57,7 @@ phases = {p: round(v["sum"] / max(v["count"], 1) * 1e3, 3) for p, v in ph.items(
 print(f"{tag}: save {save} load {load} byte-exact {exact} save phases ms {phases}")
 PY
   stop_pid $pid
-  [ -n "$qos_pid" ] && kill "$qos_pid"
+  if [ -n "$qos_pid" ]; then stop_pid "$qos_pid"; qos_pid=""; fi
 done
 python3 - "$out/ab.jsonl" <<'PY'
 import json, sys, collections, statistics
