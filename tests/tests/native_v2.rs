@@ -83,9 +83,43 @@ fn is_filled_with(arenas: &[Arena], block: usize, byte: u8) -> bool {
 /// and memfd mappings, which the others would change under it.
 static SERIAL: tokio::sync::Mutex<()> = tokio::sync::Mutex::const_new(());
 
-/// Descriptors open in this process.
-fn open_fds() -> usize {
-    std::fs::read_dir("/proc/self/fd").unwrap().count()
+/// Descriptors open in this process: number -> what it points at.
+fn open_fds() -> std::collections::BTreeMap<String, String> {
+    std::fs::read_dir("/proc/self/fd")
+        .unwrap()
+        .filter_map(Result::ok)
+        .map(|e| {
+            let target = std::fs::read_link(e.path())
+                .map(|t| t.display().to_string())
+                .unwrap_or_else(|_| "?".into());
+            (e.file_name().to_string_lossy().into_owned(), target)
+        })
+        .collect()
+}
+
+/// Waits (10 s at most) until no more descriptors are open than in `before`; the panic names
+/// the descriptors opened since, so that a failure says what stayed open.
+async fn wait_fds_closed(what: &str, before: &std::collections::BTreeMap<String, String>) {
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    loop {
+        let now = open_fds();
+        if now.len() <= before.len() {
+            return;
+        }
+        if std::time::Instant::now() >= deadline {
+            let new: Vec<String> = now
+                .iter()
+                .filter(|(fd, t)| before.get(*fd) != Some(t))
+                .map(|(fd, t)| format!("{fd} -> {t}"))
+                .collect();
+            panic!(
+                "{what}: {} descriptors open against {} before; new or changed: {new:?}",
+                now.len(),
+                before.len()
+            );
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
 }
 
 /// memfd mappings in this process (the test's own and the server's).
@@ -303,10 +337,7 @@ async fn a_failed_import_at_allocation_k_leaks_nothing() {
     assert!(e.to_string().contains(&format!("allocation {k}")), "{e}");
     assert!(srv.handle.engine.instance_ids().is_empty(), "no instance");
     assert_eq!(pending(&srv), 0);
-    wait_for("the server's descriptors are closed", || {
-        open_fds() <= fds_before
-    })
-    .await;
+    wait_fds_closed("the server's descriptors are closed", &fds_before).await;
     wait_for("the server's mappings are gone", || {
         memfd_mappings() <= maps_before
     })
@@ -333,7 +364,7 @@ async fn a_failed_import_at_allocation_k_leaks_nothing() {
         0,
         "the descriptors after the gap were discarded"
     );
-    wait_for("descriptors closed", || open_fds() <= fds_before).await;
+    wait_fds_closed("descriptors closed", &fds_before).await;
     wait_for("no mapping left", || memfd_mappings() <= maps_before).await;
 
     // (c) A view past its allocation (bypassing the client's check) is refused before any
@@ -356,7 +387,7 @@ async fn a_failed_import_at_allocation_k_leaks_nothing() {
     assert_eq!(e.code(), Some(Code::InvalidArgument), "{e}");
     assert!(e.to_string().contains("exceeds allocation 98"), "{e}");
     assert_eq!(pending(&srv), 0);
-    wait_for("descriptors closed", || open_fds() <= fds_before).await;
+    wait_fds_closed("descriptors closed", &fds_before).await;
 
     // The same memory registers fine afterwards.
     let inst = client
