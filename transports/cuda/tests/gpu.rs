@@ -345,10 +345,14 @@ fn a_batch_that_fails_before_its_wait_answers_at_once_in_every_wait_mode() {
                     mode: TransferMode::Kernel,
                     ops: Vec::new(),
                 };
-                let r = block_on(tokio::time::timeout(
-                    Duration::from_secs(20),
-                    f.transport.copy_parts_with_report(batch, parts),
-                ));
+                // The timer needs the runtime: made inside the future that block_on runs.
+                let r = block_on(async {
+                    tokio::time::timeout(
+                        Duration::from_secs(20),
+                        f.transport.copy_parts_with_report(batch, parts),
+                    )
+                    .await
+                });
                 let what = format!("{wait:?} {kernel_path:?}, {sent} ops sent");
                 let err = r
                     .unwrap_or_else(|_| panic!("{what}: no answer within 20 s"))
