@@ -100,26 +100,23 @@ fn open_fds() -> std::collections::BTreeMap<String, String> {
 /// Waits (10 s at most) until no more descriptors are open than in `before`; the panic names
 /// the descriptors opened since, so that a failure says what stayed open.
 async fn wait_fds_closed(what: &str, before: &std::collections::BTreeMap<String, String>) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
-    loop {
-        let now = open_fds();
-        if now.len() <= before.len() {
-            return;
-        }
-        if std::time::Instant::now() >= deadline {
+    wait_until(
+        || {
+            let now = open_fds();
             let new: Vec<String> = now
                 .iter()
                 .filter(|(fd, t)| before.get(*fd) != Some(t))
                 .map(|(fd, t)| format!("{fd} -> {t}"))
                 .collect();
-            panic!(
+            format!(
                 "{what}: {} descriptors open against {} before; new or changed: {new:?}",
                 now.len(),
                 before.len()
-            );
-        }
-        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
-    }
+            )
+        },
+        || open_fds().len() <= before.len(),
+    )
+    .await
 }
 
 /// memfd mappings in this process (the test's own and the server's).
@@ -131,10 +128,17 @@ fn memfd_mappings() -> usize {
         .count()
 }
 
-async fn wait_for(what: &str, mut pred: impl FnMut() -> bool) {
+async fn wait_for(what: &str, pred: impl FnMut() -> bool) {
+    wait_until(|| what.to_string(), pred).await
+}
+
+/// Polls `pred` every 10 ms for at most 10 s; the panic message is `what()`, made at the end.
+async fn wait_until(what: impl FnOnce() -> String, mut pred: impl FnMut() -> bool) {
     let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
     while !pred() {
-        assert!(std::time::Instant::now() < deadline, "{what}");
+        if std::time::Instant::now() >= deadline {
+            panic!("{}", what());
+        }
         tokio::time::sleep(std::time::Duration::from_millis(10)).await;
     }
 }
