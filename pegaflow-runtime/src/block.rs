@@ -105,13 +105,23 @@ impl BlockShape {
     }
 }
 
+/// A sealed block's slots, in slot index order. Up to [`INLINE_SLOTS`] live inside the
+/// block's own allocation (an 8 KiB block of one layer has one or two), so sealing such a
+/// block allocates once and evicting it frees once and touches one less cache line; longer
+/// lists (a block of many layers) are on the heap as before. Build one with `collect()` or
+/// `SlotList::from_vec`.
+pub type SlotList = smallvec::SmallVec<[Slot; INLINE_SLOTS]>;
+
+/// How many slots a [`SlotList`] holds inline (48 bytes of slots on 64-bit targets).
+pub const INLINE_SLOTS: usize = 2;
+
 /// An immutable, complete block: every slot of its group saved.
 #[derive(Debug)]
 pub struct SealedBlock {
     /// The storage group the block belongs to.
     pub group: u32,
     /// Slots by slot index.
-    pub slots: Box<[Slot]>,
+    pub slots: SlotList,
     /// Host-pool bytes the block occupies (after the pool's rounding).
     pub footprint: u64,
     /// When it was sealed (or promoted into host memory).
@@ -192,6 +202,54 @@ impl SealedBlock {
             slots,
             footprint,
             sealed_at: Instant::now(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::buffer::HostMemory;
+    use std::sync::atomic::{AtomicUsize, Ordering};
+
+    /// Counts releases; the bytes belong to the test.
+    #[derive(Default)]
+    struct Count(AtomicUsize);
+    impl HostMemory for Count {
+        fn release(&self, _: &[Extent]) {
+            self.0.fetch_add(1, Ordering::SeqCst);
+        }
+    }
+
+    /// Slot lists at, below and above the inline capacity read back in slot order, report
+    /// their shape, and give their one buffer back exactly once when the block goes.
+    #[test]
+    fn blocks_of_inline_and_spilled_slot_lists_read_back_and_release_once() {
+        for lens in [vec![7u64], vec![5, 9], vec![3, 1, 4, 1, 5]] {
+            let shape = BlockShape::new(lens.clone());
+            let total = shape.len_bytes() as usize;
+            let mut bytes: Vec<u8> = (0..total as u8).map(|i| i.wrapping_mul(31)).collect();
+            let mem = Arc::new(Count::default());
+            let buf = Arc::new(HostBuffer::new(
+                vec![Extent {
+                    addr: bytes.as_mut_ptr() as usize,
+                    len: total,
+                }],
+                mem.clone(),
+            ));
+            let block = SealedBlock::from_buffer(3, &shape, buf, 64);
+            assert_eq!(block.slots.spilled(), lens.len() > INLINE_SLOTS);
+            assert_eq!(block.shape(), shape);
+            assert_eq!(block.len_bytes(), total as u64);
+            let mut out = vec![0u8; total];
+            block.read_all(&mut out);
+            assert_eq!(out, bytes);
+            let pieces = block.pieces();
+            assert_eq!(pieces.len(), lens.len());
+            assert_eq!(pieces[lens.len() - 1].len as u64, lens[lens.len() - 1]);
+            assert_eq!(mem.0.load(Ordering::SeqCst), 0);
+            drop(block);
+            assert_eq!(mem.0.load(Ordering::SeqCst), 1, "slots {lens:?}");
         }
     }
 }

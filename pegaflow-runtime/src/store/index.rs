@@ -1043,7 +1043,7 @@ mod tests {
     fn block(fp: u64) -> Arc<SealedBlock> {
         Arc::new(SealedBlock {
             group: 0,
-            slots: Box::new([]),
+            slots: Default::default(),
             footprint: fp,
             sealed_at: Instant::now(),
         })
