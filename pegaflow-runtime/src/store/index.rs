@@ -70,25 +70,37 @@ impl HashBytes {
     }
 }
 
-/// One resident block.
+/// One resident block: two cache lines, laid out so that what a touch and an eviction read
+/// and write of an entry — its links, stamp, block and key fields but the hash bytes — is in
+/// the first line. Relinking an entry between its neighbours then touches one line of each
+/// neighbour, and a lookup two lines of the entry it verifies.
+#[repr(C, align(64))]
 struct Node {
     /// The key's full hash (also the hash table's hash).
     tag: u64,
-    block: Arc<SealedBlock>,
-    /// Recency: larger is more recent.
-    stamp: u64,
     /// LRU list: `prev` is the next more recent entry, `next` the next older one.
     prev: u32,
     next: u32,
-    /// The unwritten list (only while `!written_below`), same direction.
-    uprev: u32,
-    unext: u32,
+    /// Recency: larger is more recent.
+    stamp: u64,
+    block: Arc<SealedBlock>,
     group: u32,
     /// A lower tier already holds (or was offered) the block: eviction needs no demotion.
     written_below: bool,
-    hash: HashBytes,
+    /// The unwritten list (only while `!written_below`), same direction.
+    uprev: u32,
+    unext: u32,
     namespace: Arc<str>,
+    /// Second line.
+    hash: HashBytes,
 }
+
+// The first line holds everything but the hash bytes (64-bit targets).
+#[cfg(target_pointer_width = "64")]
+const _: () = {
+    assert!(std::mem::offset_of!(Node, hash) == 64);
+    assert!(std::mem::size_of::<Option<Node>>() == 128);
+};
 
 /// The two intrusive lists every shard threads through its nodes.
 #[derive(Debug, Clone, Copy)]
@@ -202,6 +214,14 @@ impl Shard {
             let p = self.nodes.as_ptr().wrapping_add(i as usize).cast::<u8>();
             prefetch(p);
             prefetch(p.wrapping_add(64));
+        }
+    }
+
+    /// Prefetches the first cache line of slot `i` (its links and stamp: what relinking a
+    /// neighbour writes); a hint, `i` may be [`NIL`].
+    fn prefetch_links(&self, i: u32) {
+        if i != NIL {
+            prefetch(self.nodes.as_ptr().wrapping_add(i as usize));
         }
     }
 
@@ -582,8 +602,8 @@ impl BlockIndex {
                 // The touch pass clones the `Arc` (counts 16 bytes before the data) and
                 // relinks the entry between its neighbours.
                 prefetch(Arc::as_ptr(&n.block).cast::<u8>().wrapping_sub(16));
-                sh.prefetch_node(n.prev);
-                sh.prefetch_node(n.next);
+                sh.prefetch_links(n.prev);
+                sh.prefetch_links(n.next);
             }
         }
         if prefix == 0 {
