@@ -10,7 +10,9 @@
 //! batch rather than once per hash. Inside a shard, entries live in a slab and are threaded on
 //! two intrusive doubly linked lists (every entry, most recently used first; and the entries
 //! not yet written below DRAM, in the same order), so a lookup, a touch, an insertion and a
-//! removal are O(1): no ordered map is re-stamped on a touch.
+//! removal are O(1): no ordered map is re-stamped on a touch. A shard finds a key's slab
+//! entry through its own open-addressing table ([`super::slot_table`]): one 8-byte word per
+//! entry, whose line a batch prefetches for all its hashes before it probes any.
 //!
 //! Recency is a global counter: every touch or insertion takes a stamp, and a shard's list is
 //! ordered by stamp. Eviction takes the oldest evictable entry of each shard (walking past
@@ -23,17 +25,17 @@ use std::hash::BuildHasher;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
-use hashbrown::HashTable;
 use parking_lot::{Mutex, MutexGuard};
 
+use super::slot_table::SlotTable;
 use crate::block::{BlockKey, KeyRef, SealedBlock};
 
 /// Number of shards (a power of two).
 const SHARDS: usize = 16;
 
-/// The shard of a key is taken from these bits of its hash: disjoint from the low bits the
-/// hash table indexes buckets with and from the top seven it keeps as tags.
-const SHARD_SHIFT: u32 = 40;
+/// The shard of a key is taken from these bits of its hash: disjoint from the top half,
+/// which the shard's table keeps per entry and probes by.
+const SHARD_SHIFT: u32 = 0;
 
 /// "No entry" in the slab links.
 const NIL: u32 = u32::MAX;
@@ -141,16 +143,9 @@ impl Node {
     }
 }
 
-/// 32 bits of a key's hash kept next to its slab index in the table, so that a lookup can
-/// pick its candidate entry without reading the slab (bits 8..40: mostly disjoint from the
-/// bucket index and from the table's own 7-bit tag).
-fn frag(tag: u64) -> u32 {
-    (tag >> 8) as u32
-}
-
 /// One shard: a hash table of (slab index, hash fragment), the slab, and the two lists' ends.
 struct Shard {
-    table: HashTable<(u32, u32)>,
+    table: SlotTable,
     nodes: Vec<Option<Node>>,
     free: Vec<u32>,
     /// Most and least recently used entries.
@@ -164,7 +159,7 @@ struct Shard {
 impl Default for Shard {
     fn default() -> Self {
         Self {
-            table: HashTable::new(),
+            table: SlotTable::default(),
             nodes: Vec::new(),
             free: Vec::new(),
             head: NIL,
@@ -190,22 +185,17 @@ impl Shard {
 
     fn find(&self, tag: u64, key: &KeyRef<'_>) -> Option<u32> {
         let nodes = &self.nodes;
-        let f = frag(tag);
-        self.table
-            .find(tag, |&(i, fi)| {
-                fi == f
-                    && nodes[i as usize]
-                        .as_ref()
-                        .is_some_and(|n| n.tag == tag && n.matches(key))
-            })
-            .map(|&(i, _)| i)
+        self.table.find(tag, |i| {
+            nodes[i as usize]
+                .as_ref()
+                .is_some_and(|n| n.tag == tag && n.matches(key))
+        })
     }
 
     /// The first entry whose hash fragment matches `tag`'s, without reading the slab: the
-    /// key's entry unless another key shares 39 bits of its hash (the caller verifies).
+    /// key's entry unless another key shares the top 32 bits of its hash (the caller verifies).
     fn candidate(&self, tag: u64) -> Option<u32> {
-        let f = frag(tag);
-        self.table.find(tag, |&(_, fi)| fi == f).map(|&(i, _)| i)
+        self.table.candidate(tag)
     }
 
     /// Prefetches both cache lines of slot `i` (a hint; `i` may be [`NIL`]).
@@ -214,6 +204,16 @@ impl Shard {
             let p = self.nodes.as_ptr().wrapping_add(i as usize).cast::<u8>();
             prefetch(p);
             prefetch(p.wrapping_add(64));
+        }
+    }
+
+    /// Prefetches the table line of each of the positions `ps` (their hashes in `tags`), so
+    /// that a batch's lookups in this shard wait for their misses together.
+    fn prefetch_tables(&self, ps: &[u32], tags: &[u64]) {
+        if ps.len() > 1 {
+            for &p in ps {
+                self.table.prefetch(tags[p as usize]);
+            }
         }
     }
 
@@ -314,10 +314,7 @@ impl Shard {
                 i
             }
         };
-        let nodes = &self.nodes;
-        self.table.insert_unique(tag, (i, frag(tag)), |&(j, _)| {
-            nodes[j as usize].as_ref().map_or(0, |n| n.tag)
-        });
+        self.table.insert(tag, i);
         self.link_front(i);
         if unwritten {
             self.ulink_front(i);
@@ -331,22 +328,17 @@ impl Shard {
     }
 
     /// [`Shard::remove`] given where the table holds `i` (`bucket`, from
-    /// `HashTable::find_bucket_index`, checked here; looked up again when it is `None` or
-    /// stale).
+    /// `SlotTable::position`, checked here; looked up again when it is `None` or stale).
     fn remove_at(&mut self, i: u32, bucket: Option<usize>) -> Node {
         let (tag, unwritten) = {
             let n = self.node(i);
             (n.tag, !n.written_below)
         };
-        match bucket.map(|b| self.table.get_bucket_entry(b)) {
-            Some(Ok(e)) if e.get().0 == i => {
-                e.remove();
-            }
-            _ => {
-                if let Ok(e) = self.table.find_entry(tag, |&(j, _)| j == i) {
-                    e.remove();
-                }
-            }
+        let b = bucket
+            .filter(|&b| self.table.slot_at(b) == Some(i))
+            .or_else(|| self.table.position(tag, |j| j == i));
+        if let Some(b) = b {
+            self.table.remove_at(b);
         }
         self.unlink(i);
         if unwritten {
@@ -405,7 +397,7 @@ impl From<Node> for Evicted {
 
 /// Prefetches the cache line at `p` (a hint: any address is allowed, nothing is read).
 #[inline(always)]
-fn prefetch<T>(p: *const T) {
+pub(super) fn prefetch<T>(p: *const T) {
     #[cfg(target_arch = "x86_64")]
     {
         use std::arch::x86_64::{_mm_prefetch, _MM_HINT_T0};
@@ -534,8 +526,9 @@ impl BlockIndex {
 
     /// The longest prefix of `hashes` (under `namespace` and `group`) that is resident, each
     /// block marked most recently used in request order (the first hash touched first). Takes
-    /// each shard's lock at most three times per call (two lookup stages, then a touch pass
-    /// over the prefix), whatever the number of hashes; allocates only per call, not per hash.
+    /// each shard's lock at most four times per call (a prefetch stage, two lookup stages,
+    /// then a touch pass over the prefix), whatever the number of hashes; allocates only per
+    /// call, not per hash.
     pub fn touch_prefix(
         &self,
         namespace: &str,
@@ -555,6 +548,19 @@ impl BlockIndex {
         // the touch pass needs: the block's counts, the LRU neighbours). A candidate found in
         // the first stage is only a hint: the second re-reads it under the lock.
         let mut found = vec![NIL; hashes.len()];
+        // Stage 0: every hash's table line on its way (with more than one hash).
+        if hashes.len() > 1 {
+            for s in 0..SHARDS {
+                let ps = by.of(s);
+                if ps.is_empty() {
+                    continue;
+                }
+                let sh = self.shards[s].lock();
+                for &p in ps {
+                    sh.table.prefetch(tags[p as usize]);
+                }
+            }
+        }
         for s in 0..SHARDS {
             let ps = by.of(s);
             if ps.is_empty() {
@@ -660,6 +666,7 @@ impl BlockIndex {
                 continue;
             }
             let mut sh = self.shards[s].lock();
+            sh.prefetch_tables(ps, &tags);
             for &p in ps {
                 let p = p as usize;
                 if let Some(i) = sh.find(tags[p], &key(&hashes[p])) {
@@ -690,6 +697,7 @@ impl BlockIndex {
                 continue;
             }
             let sh = self.shards[s].lock();
+            sh.prefetch_tables(ps, &tags);
             for &p in ps {
                 let p = p as usize;
                 out[p] = sh.find(tags[p], &key(hashes[p])).is_some();
@@ -794,6 +802,7 @@ impl BlockIndex {
                 continue;
             }
             let mut sh = self.shards[s].lock();
+            sh.prefetch_tables(ps, &tags);
             for &p in ps {
                 let p = p as usize;
                 let Some((group, hash, block, written)) = slots[p].take() else {
@@ -925,13 +934,17 @@ impl BlockIndex {
             victims.push((si, i));
             cur[si] = head_of(g, newer);
         }
-        // Removing an entry leaves every other entry in its bucket (no insert runs meanwhile),
-        // so the buckets found here stay right.
+        // Removing an entry may move later entries of its probe run back a bucket, so a bucket
+        // found here can be stale by its turn: `remove_at` checks it and looks up again.
+        for &(si, i) in &victims {
+            let g = &guards[si];
+            g.table.prefetch(g.node(i).tag);
+        }
         let buckets: Vec<Option<usize>> = victims
             .iter()
             .map(|&(si, i)| {
                 let g = &guards[si];
-                g.table.find_bucket_index(g.node(i).tag, |&(j, _)| j == i)
+                g.table.position(g.node(i).tag, |j| j == i)
             })
             .collect();
         // Only moves under the locks: the keys are built (and heap hashes freed) after.

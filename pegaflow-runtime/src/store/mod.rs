@@ -18,6 +18,7 @@
 mod demote;
 mod index;
 mod promote;
+mod slot_table;
 
 use std::sync::Arc;
 use std::time::Duration;
