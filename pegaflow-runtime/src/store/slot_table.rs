@@ -6,7 +6,9 @@
 //! known from its hash alone ([`SlotTable::prefetch`]), so a batch of lookups can have all
 //! their table lines on the way before the first is read, and the probe reads one line (no
 //! separate control bytes). Entries carry the 32 bits their bucket derives from, so growing
-//! and deleting (backward shift) never read the slab.
+//! and deleting (backward shift) never read the slab. The hashes come from the index's
+//! hasher, seeded at random per process, so clients choosing their block hashes cannot aim
+//! them at one probe run.
 //!
 //! Owns nothing but the words. Must never: hold one slot twice, or lose an entry when
 //! another is removed (removal shifts the rest of its run back).
