@@ -122,7 +122,10 @@ impl SlotTable {
 
     /// The slot in bucket `b`, if any.
     pub(super) fn slot_at(&self, b: usize) -> Option<u32> {
-        self.words.get(b).filter(|&&w| w != EMPTY).map(|&w| w as u32)
+        self.words
+            .get(b)
+            .filter(|&&w| w != EMPTY)
+            .map(|&w| w as u32)
     }
 
     /// Empties bucket `b` (occupied), moving later entries of its run back so that every
@@ -251,7 +254,10 @@ mod tests {
         }
         assert!(t.words.len() >= 20_000, "load stays at most one half");
         for i in 0..10_000u32 {
-            assert_eq!(t.find(tag(i.wrapping_mul(2_654_435_761)), |s| s == i), Some(i));
+            assert_eq!(
+                t.find(tag(i.wrapping_mul(2_654_435_761)), |s| s == i),
+                Some(i)
+            );
         }
     }
 }
