@@ -210,10 +210,8 @@ impl Shard {
     /// Prefetches the table line of each of the positions `ps` (their hashes in `tags`), so
     /// that a batch's lookups in this shard wait for their misses together.
     fn prefetch_tables(&self, ps: &[u32], tags: &[u64]) {
-        if ps.len() > 1 {
-            for &p in ps {
-                self.table.prefetch(tags[p as usize]);
-            }
+        for &p in ps {
+            self.table.prefetch(tags[p as usize]);
         }
     }
 
@@ -552,12 +550,8 @@ impl BlockIndex {
         if hashes.len() > 1 {
             for s in 0..SHARDS {
                 let ps = by.of(s);
-                if ps.is_empty() {
-                    continue;
-                }
-                let sh = self.shards[s].lock();
-                for &p in ps {
-                    sh.table.prefetch(tags[p as usize]);
+                if !ps.is_empty() {
+                    self.shards[s].lock().prefetch_tables(ps, &tags);
                 }
             }
         }

@@ -25,9 +25,9 @@ const MAX_LOAD_DEN: usize = 2;
 /// Buckets of the first allocation.
 const MIN_BUCKETS: usize = 16;
 
-/// The 32 bits of a key's 64-bit hash that the table keeps (the top half; the shard and the
-/// other users of the hash take theirs from the low half or mix them in).
-pub(super) fn frag(tag: u64) -> u32 {
+/// The 32 bits of a key's 64-bit hash that the table keeps (the top half; the shard takes
+/// its bits from the low half).
+fn frag(tag: u64) -> u32 {
     (tag >> 32) as u32
 }
 
@@ -47,13 +47,12 @@ impl SlotTable {
         self.len
     }
 
-    /// The bucket where probing for `frag` starts: a multiplicative mix of the fragment
-    /// (whose low bits may be shared by a whole shard), its top bits.
+    /// The bucket where probing for `frag` starts: the top bits of a multiplicative mix of
+    /// the fragment (Fibonacci hashing), so that fragments alike in their top bits spread too.
+    /// Only called on a table of at least [`MIN_BUCKETS`] buckets.
     fn home(&self, frag: u32) -> usize {
         let bits = self.words.len().trailing_zeros();
-        // Fibonacci hashing: odd multiplier, top bits (at least one bucket bit when non-empty).
-        ((frag.wrapping_mul(0x9E37_79B9) as u64) << 32 >> (64 - bits.max(1))) as usize
-            & (self.words.len() - 1)
+        ((frag.wrapping_mul(0x9E37_79B9) as u64) << 32 >> (64 - bits)) as usize
     }
 
     /// Prefetches the line where a lookup of `tag` starts (a hint; nothing is read).
