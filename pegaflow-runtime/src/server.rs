@@ -253,7 +253,9 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             .map(|c| c.path().to_string_lossy().into_owned()),
     );
     let (grpc_cap, http_cap) = connection_caps(&pipeline, nofile);
-    let svc = svc.with_admin_allow(pipeline.server.admin_allow.clone());
+    let svc = svc
+        .with_admin_allow(pipeline.server.admin_allow.clone())
+        .with_save_headers_early(pipeline.server.save_headers_early);
     {
         let stop = stop.clone();
         let listener = CappedListener::new(

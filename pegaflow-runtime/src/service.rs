@@ -31,6 +31,7 @@ use crate::decode;
 use crate::engine::Engine;
 use crate::error::{capped_status, EngineError, EngineResult, MAX_STATUS_MESSAGE_BYTES};
 use crate::metrics::{status_label, Metrics};
+use crate::plugin::NearEnd;
 
 fn ok_status() -> Option<pb::ResponseStatus> {
     Some(pb::ResponseStatus {
@@ -48,6 +49,7 @@ pub struct EngineService {
     shutdown: Arc<Notify>,
     fd_socket_path: String,
     admin_allow: crate::config::AdminAllow,
+    save_headers_early: bool,
 }
 
 impl std::fmt::Debug for EngineService {
@@ -66,6 +68,7 @@ impl EngineService {
             shutdown,
             fd_socket_path: fd_socket_path.unwrap_or_default(),
             admin_allow: Default::default(),
+            save_headers_early: true,
         }
     }
 
@@ -75,14 +78,23 @@ impl EngineService {
         self
     }
 
+    /// Whether a Save's response headers go out when its copy nears its end (default true;
+    /// `[server] save_headers_early`, [`crate::config::ServerConfig::save_headers_early`]).
+    pub fn with_save_headers_early(mut self, early: bool) -> Self {
+        self.save_headers_early = early;
+        self
+    }
+
     /// Wraps the service for tonic with 64 MiB message limits and no compression, behind
     /// [`GuardedEngineServer`].
     pub fn into_server(self) -> GuardedEngineServer {
         let metrics = self.engine.metrics().clone();
+        let early_save = self.save_headers_early.then(|| self.clone());
         GuardedEngineServer {
             inner: pb::engine_server::EngineServer::new(self)
                 .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
                 .max_encoding_message_size(pb::MAX_MESSAGE_BYTES),
+            early_save,
             metrics,
         }
     }
@@ -111,10 +123,93 @@ impl EngineService {
     async fn detached<T: Send + 'static>(
         fut: impl Future<Output = EngineResult<T>> + Send + 'static,
     ) -> Result<T, Status> {
-        match tokio::spawn(fut).await {
-            Ok(r) => r.map_err(Status::from),
-            Err(e) => Err(EngineError::internal(format!("operation task failed: {e}")).into()),
+        joined(tokio::spawn(fut).await)
+    }
+
+    /// A Save's end, whichever way its headers went: the metrics, the debug line, the answer.
+    fn save_answered(
+        &self,
+        t0: Instant,
+        r: Result<(), Status>,
+    ) -> Result<pb::SaveResponse, Status> {
+        self.record("save", t0, &r);
+        tracing::debug!(
+            ok = r.is_ok(),
+            handler_us = t0.elapsed().as_micros() as u64,
+            "save answered"
+        );
+        r.map(|()| pb::SaveResponse {
+            status: ok_status(),
+        })
+    }
+
+    /// The Save handler under `save_headers_early`: runs the Save in a task of its own (a
+    /// cancelled RPC does not cut it in half) with a [`NearEnd`] listener. When the Save
+    /// ends first (a refusal, a copy without the signal), the headers go out with the answer
+    /// as under the unary handler; when the transport signals its copy's near end first, the
+    /// response (headers) is returned at once and the answer, or the error status in the
+    /// trailers, follows when the Save ends.
+    async fn save_with_early_headers(
+        &self,
+        request: Request<pb::SaveRequest>,
+    ) -> Result<Response<SaveAnswer>, Status> {
+        let t0 = Instant::now();
+        tracing::debug!(layers = request.get_ref().saves.len(), "save received");
+        let cmd = match decode::save(request.into_inner()) {
+            Ok(cmd) => cmd,
+            Err(e) => return self.save_answered(t0, Err(e.into())).map(answer_now),
+        };
+        let (near, near_end) = NearEnd::new();
+        let engine = self.engine.clone();
+        let mut task = tokio::spawn(near.scope(async move { engine.save(cmd).await }));
+        tokio::select! {
+            biased;
+            r = &mut task => return self.save_answered(t0, joined(r)).map(answer_now),
+            Ok(()) = near_end => {}
         }
+        tracing::debug!(
+            headers_us = t0.elapsed().as_micros() as u64,
+            "save headers sent"
+        );
+        let svc = self.clone();
+        let answer = futures::stream::once(async move {
+            svc.save_answered(t0, joined(task.await))
+                .map_err(capped_status)
+        });
+        Ok(Response::new(Box::pin(answer)))
+    }
+}
+
+/// An operation task's result as the RPC's.
+fn joined<T>(r: Result<EngineResult<T>, tokio::task::JoinError>) -> Result<T, Status> {
+    match r {
+        Ok(r) => r.map_err(Status::from),
+        Err(e) => Err(EngineError::internal(format!("operation task failed: {e}")).into()),
+    }
+}
+
+/// A Save's answer as a stream of one message: how the Save path of [`GuardedEngineServer`]
+/// sends it (on the wire the same as a unary answer: headers, one message, trailers).
+type SaveAnswer =
+    Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::SaveResponse, Status>> + Send>>;
+
+fn answer_now(resp: pb::SaveResponse) -> Response<SaveAnswer> {
+    Response::new(Box::pin(futures::stream::once(std::future::ready(Ok(
+        resp,
+    )))))
+}
+
+/// [`EngineService::save_with_early_headers`] as tonic's server-streaming service.
+struct EarlySave(EngineService);
+
+impl tonic::server::ServerStreamingService<pb::SaveRequest> for EarlySave {
+    type Response = pb::SaveResponse;
+    type ResponseStream = SaveAnswer;
+    type Future = BoxFuture<Response<SaveAnswer>, Status>;
+
+    fn call(&mut self, request: Request<pb::SaveRequest>) -> Self::Future {
+        let svc = self.0.clone();
+        Box::pin(async move { svc.save_with_early_headers(request).await })
     }
 }
 
@@ -157,17 +252,7 @@ impl pb::engine_server::Engine for EngineService {
             Ok(cmd) => Self::detached(async move { engine.save(cmd).await }).await,
             Err(e) => Err(e.into()),
         };
-        self.record("save", t0, &r);
-        tracing::debug!(
-            ok = r.is_ok(),
-            handler_us = t0.elapsed().as_micros() as u64,
-            "save answered"
-        );
-        r.map(|()| {
-            Response::new(pb::SaveResponse {
-                status: ok_status(),
-            })
-        })
+        self.save_answered(t0, r).map(Response::new)
     }
 
     async fn load(
@@ -467,11 +552,21 @@ fn is_undecodable(s: &Status) -> bool {
 ///
 /// Error statuses of unary and server-streaming handlers travel in the response headers
 /// ("trailers-only"), which is where both guards look.
+///
+/// Under early Save headers ([`EngineService::with_save_headers_early`]) this server answers
+/// `Save` itself, through [`EngineService::save_with_early_headers`]: a Save that fails
+/// after its headers went out carries its status in the trailers, capped by that handler.
 #[derive(Clone)]
 pub struct GuardedEngineServer {
     inner: pb::engine_server::EngineServer<EngineService>,
+    /// The service that answers Saves with early headers, when
+    /// [`EngineService::with_save_headers_early`] is on.
+    early_save: Option<EngineService>,
     metrics: Arc<Metrics>,
 }
+
+/// The Save method's path, which [`GuardedEngineServer`] serves itself under early headers.
+const SAVE_PATH: &str = "/pegaflow.Engine/Save";
 
 impl std::fmt::Debug for GuardedEngineServer {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -501,7 +596,21 @@ where
         let method = method_label(req.uri().path());
         let t0 = Instant::now();
         let metrics = self.metrics.clone();
-        let fut = self.inner.call(req);
+        let fut: Self::Future = match &self.early_save {
+            Some(svc) if req.uri().path() == SAVE_PATH => {
+                let svc = EarlySave(svc.clone());
+                Box::pin(async move {
+                    let codec =
+                        tonic_prost::ProstCodec::<pb::SaveResponse, pb::SaveRequest>::default();
+                    let mut grpc = tonic::server::Grpc::new(codec).apply_max_message_size_config(
+                        Some(pb::MAX_MESSAGE_BYTES),
+                        Some(pb::MAX_MESSAGE_BYTES),
+                    );
+                    Ok(grpc.server_streaming(svc, req).await)
+                })
+            }
+            _ => self.inner.call(req),
+        };
         Box::pin(async move {
             let mut resp = fut.await?;
             guard_status(&mut resp, method, t0, &metrics);

@@ -11,7 +11,9 @@ use std::sync::Arc;
 use std::task::Poll;
 
 use crate::error::{EngineError, EngineResult};
-use crate::plugin::{op_parts, CopyBatch, CopyOp, OpPartSender, Transport, TransportError};
+use crate::plugin::{
+    op_parts, CopyBatch, CopyOp, NearEnd, OpPartSender, Transport, TransportError,
+};
 
 /// The first part of a batch holds about this many bytes; each next one doubles, up to
 /// [`PART_MAX_BYTES`]: the transport starts after a few microseconds of planning, and a
@@ -68,11 +70,16 @@ pub(super) async fn start_copy<K: Send + 'static>(
     keep: K,
 ) -> (PartFeed, StartedCopy) {
     let (tx, parts) = op_parts();
-    let mut fut: CopyFuture = Box::pin(async move {
+    let copy = async move {
         let r = transport.copy_parts(batch, parts).await;
         drop(keep);
         r
-    });
+    };
+    // The RPC's near-end listener, if any, goes with the future into the task that waits.
+    let mut fut: CopyFuture = match NearEnd::current() {
+        Some(near) => Box::pin(near.scope(copy)),
+        None => Box::pin(copy),
+    };
     let ready = std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
         Poll::Ready(r) => Poll::Ready(Some(r)),
         Poll::Pending => Poll::Ready(None),

@@ -38,8 +38,8 @@ pub use registrar::{
 };
 pub use tier::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
 pub use transport::{
-    op_parts, CopyBatch, CopyOp, Direction, MemorySpace, OpPartSender, OpParts, PartTally,
-    Transport, TransportError,
+    op_parts, signal_near_end, CopyBatch, CopyOp, Direction, MemorySpace, NearEnd, OpPartSender,
+    OpParts, PartTally, Transport, TransportError,
 };
 
 use crate::fd_channel::FdChannel;
