@@ -167,6 +167,13 @@ pub struct CudaTransportConfig {
     /// `"spin"` ([`Wait`]). On the H200 machine `tail` moved a 512 MiB Save in 9.90 ms
     /// against 10.10 ms with `sleep` (docs/BENCHMARKS.md §13).
     pub wait: Wait,
+    /// `idle_poll_us`: after a batch, a worker polls its queue for this many µs before it
+    /// sleeps on it, so that a Save or Load that follows within that time starts without a
+    /// thread wake-up (~100–150 µs on the H200 machine). Default 3,000 (3 ms: more than the
+    /// published client's ~0.5–1.7 ms between Saves); 0 to 100,000. Costs one core per worker
+    /// (one per device and direction) for that long after each batch. On the H200 machine it
+    /// took 32-block Saves from 34.3 to 34.9 GB/s (docs/BENCHMARKS.md §13).
+    pub idle_poll_us: u64,
     /// [`Wait::Tail`]'s tail ([`TAIL_BYTES`]) and mark spacing ([`MARK_BYTES`]), in bytes. Not
     /// settings: tests shrink them so that small batches take the sleeping branch too.
     #[doc(hidden)]
@@ -202,6 +209,7 @@ impl Default for CudaTransportConfig {
             queue_depth: 64,
             blocks_per_sm: 8,
             wait: Wait::Tail,
+            idle_poll_us: 3_000,
             tail_bytes: TAIL_BYTES,
             mark_bytes: MARK_BYTES,
         }
@@ -253,6 +261,10 @@ const OPTIONS: &[PluginOption] = &[
         name: "wait",
         help: "how a worker waits for a batch's end: tail (sleep until its last 16 MiB, then poll; the waiting task polls for the answer too, up to 2 ms) | sleep (until the GPU's interrupt) | spin (poll: one core per copying worker)",
     },
+    PluginOption {
+        name: "idle_poll_us",
+        help: "µs a worker polls its queue after a batch before sleeping on it (0 to 100000, default 3000): the next batch starts without a wake-up",
+    },
 ];
 
 impl CudaTransportConfig {
@@ -282,6 +294,7 @@ impl CudaTransportConfig {
         )?;
         range("queue_depth", c.queue_depth as u64, 1, 65536, "")?;
         range("blocks_per_sm", u64::from(c.blocks_per_sm), 1, 64, "")?;
+        range("idle_poll_us", c.idle_poll_us, 0, 100_000, " µs")?;
         Ok(c)
     }
 }
@@ -611,8 +624,11 @@ impl CudaTransport {
             ))
         };
         if caller_polls && near_rx.await.is_ok() {
-            // The batch is in its tail: poll for the answer on this task, yielding between
-            // polls, for at most POLL_LIMIT (the worker's limit under Tail), then sleep on it.
+            // The batch is in its tail: tell whoever listens for it (the RPC layer sends a
+            // Save's response headers), then poll for the answer on this task, yielding
+            // between polls, for at most POLL_LIMIT (the worker's limit under Tail), then
+            // sleep on it.
+            pegaflow_runtime::signal_near_end();
             let until = std::time::Instant::now() + POLL_LIMIT;
             loop {
                 match rx.try_recv() {
@@ -699,7 +715,8 @@ fn worker_main(
             return;
         }
     };
-    while let Some(mut job) = rx.blocking_recv() {
+    let idle_poll = Duration::from_micros(w.cfg.idle_poll_us);
+    while let Some(mut job) = next_job(&mut rx, idle_poll) {
         let queued_us = job.sent.elapsed().as_micros() as u64;
         w.near_end = Some(job.near_end);
         let (batch, parts) = (&mut job.batch, job.parts.as_mut());
@@ -715,6 +732,25 @@ fn worker_main(
         // the reply, so the caller finds the answer ready) wakes a caller still waiting on it.
         w.near_end = None;
     }
+}
+
+/// The worker's next job: polled for up to `idle_poll` (0: not at all), then slept on; `None`
+/// once every sender is gone.
+fn next_job(rx: &mut mpsc::Receiver<Job>, idle_poll: Duration) -> Option<Job> {
+    if !idle_poll.is_zero() {
+        let until = std::time::Instant::now() + idle_poll;
+        loop {
+            match rx.try_recv() {
+                Ok(job) => return Some(job),
+                Err(mpsc::error::TryRecvError::Disconnected) => return None,
+                Err(mpsc::error::TryRecvError::Empty) if std::time::Instant::now() < until => {
+                    std::hint::spin_loop();
+                }
+                Err(mpsc::error::TryRecvError::Empty) => break,
+            }
+        }
+    }
+    rx.blocking_recv()
 }
 
 /// What a batch's ops came to, over its parts (for the debug line and the report).
@@ -1662,6 +1698,7 @@ pin_chunk = "1gb"
 queue_depth = 8
 blocks_per_sm = 2
 wait = "spin"
+idle_poll_us = 3000
 direct_min_bytes = "1mb""#,
         )
         .unwrap();
@@ -1677,7 +1714,10 @@ direct_min_bytes = "1mb""#,
         );
         assert_eq!(c.direct_min_bytes, 1 << 20);
         assert_eq!(c.wait, Wait::Spin);
+        assert_eq!(c.idle_poll_us, 3000);
         for bad in [
+            "idle_poll_us = 100001",
+            "idle_poll_us = -1",
             "wait = \"busy\"",
             "policy = \"fast\"",
             "bogus = 1",
