@@ -17,6 +17,9 @@ logs=/tmp/ab-logs; mkdir -p "$logs"   # per-run server logs stay on the machine
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
 export PYTHONPATH=/tmp/pf-site
 wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
+# Our server pins its pool in the background after it serves (~6 s for 16 GiB here); a bench that
+# starts before that measures copies from unpinned memory. Wait for its log line (PegaFlow's log has none).
+wait_pinned() { grep -q "pegaflow-server starting" "$1" || return 0; for _ in $(seq 1 240); do grep -q "landing tier pinned" "$1" && return 0; sleep 0.25; done; echo "warning: the pool was not pinned after 60 s" >&2; }
 stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.25; done; kill -9 "$1" 2>/dev/null; }
 qos_pid=""
 # The latency helper never outlives the script (a failed start, an interrupt, the end).
@@ -35,6 +38,7 @@ for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old peg
   log="$logs/ab-$i.log"
   RUST_LOG=${SRV_LOG:-info} "$d/$bin" $cfg --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb --enable-prometheus > "$log" 2>&1 & pid=$!
   wait_health || { echo "$entry did not start"; tail -5 "$log"; stop_pid $pid; continue; }
+  wait_pinned "$log"
   [ "${FLOOR:-0}" = 1 ] && python3 "$d/client_floor.py" --tag "$entry" --batch ${BATCH:-256} --rpcs 300 | tee -a "$out/ab.jsonl" | cut -c1-140
   timeout 200 python3 "$d/pf_bench.py" --tag "$entry#$i" --backend kernel --batch ${BATCH:-256} --reps ${REPS:-3} >> "$out/ab.jsonl" 2>&1
   curl -s 127.0.0.1:9091/metrics | grep -E '^pegaflow_rpc_phase_seconds_(sum|count)\{.*rpc="save"' > "$log.metrics"
