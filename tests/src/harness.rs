@@ -17,6 +17,23 @@ use pegaflow_runtime::ServerHandle;
 use pegaflow_tier_dram as _;
 use pegaflow_transport_shm as _;
 
+/// Runs a host-memory batch with plain copies: what the test transports do once they let a
+/// copy through.
+///
+/// # Safety
+/// Every op's two ranges are live, disjoint memory of `len` bytes, as the engine guarantees a
+/// transport until its copy future completes.
+pub unsafe fn memcpy_ops(batch: &pegaflow_runtime::CopyBatch) {
+    for op in &batch.ops {
+        let (src, dst) = match batch.direction {
+            pegaflow_runtime::Direction::ToHost => (op.device_addr as usize, op.host_addr),
+            pegaflow_runtime::Direction::ToDevice => (op.host_addr, op.device_addr as usize),
+        };
+        // SAFETY: as the caller promises.
+        unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, op.len) };
+    }
+}
+
 /// A running test server with its temp dir (holding the side-channel socket).
 pub struct TestServer {
     /// The server.

@@ -47,14 +47,8 @@ impl Transport for GatedTransport {
                 "injected: the copy failed at its end".into(),
             ));
         }
-        for op in &batch.ops {
-            let (src, dst) = match batch.direction {
-                Direction::ToHost => (op.device_addr as usize, op.host_addr),
-                Direction::ToDevice => (op.host_addr, op.device_addr as usize),
-            };
-            // SAFETY: the engine keeps both sides alive until this future completes.
-            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, op.len) };
-        }
+        // SAFETY: the engine keeps both sides alive until this future completes.
+        unsafe { memcpy_ops(&batch) };
         Ok(())
     }
     async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError> {
@@ -105,7 +99,10 @@ type Streamed = tonic::Response<tonic::codec::Streaming<pb::SaveResponse>>;
 
 /// A Save as a server-streaming call (the same bytes as the unary one): resolves when the
 /// response headers arrive; the answer is the stream's one message.
-async fn raw_save(endpoint: String, req: pb::SaveRequest) -> Result<Streamed, tonic::Status> {
+async fn raw_save(
+    endpoint: String,
+    req: impl tonic::IntoRequest<pb::SaveRequest>,
+) -> Result<Streamed, tonic::Status> {
     let channel = tonic::transport::Channel::from_shared(endpoint)
         .expect("endpoint")
         .connect()
@@ -115,12 +112,23 @@ async fn raw_save(endpoint: String, req: pb::SaveRequest) -> Result<Streamed, to
     grpc.ready().await.expect("ready");
     let codec = tonic_prost::ProstCodec::<pb::SaveRequest, pb::SaveResponse>::default();
     let path = tonic::codegen::http::uri::PathAndQuery::from_static("/pegaflow.Engine/Save");
-    grpc.server_streaming(tonic::Request::new(req), path, codec)
-        .await
+    grpc.server_streaming(req.into_request(), path, codec).await
 }
 
-fn resident(srv: &TestServer) -> u64 {
+/// Blocks in the index once every answered Save is sealed (sealing follows the answer).
+async fn resident(srv: &TestServer) -> u64 {
+    srv.handle.engine.settle().await;
     srv.handle.engine.index().resident_blocks()
+}
+
+/// Saves counted in `pegaflow_rpc_requests_total{method="save"}` with `status`.
+fn saves_counted(srv: &TestServer, status: &str) -> u64 {
+    srv.handle
+        .engine
+        .metrics()
+        .rpc_requests
+        .with_label_values(&["save", status])
+        .get()
 }
 
 // One test drives every scenario, because the gate and the switches are process-wide.
@@ -138,7 +146,11 @@ async fn save_headers_go_out_at_the_copys_near_end_and_the_answer_at_its_end() {
     .await
     .expect("the headers came before the copy ended")
     .expect("a response");
-    assert_eq!(resident(&srv), 0, "nothing is sealed before the copy ends");
+    assert_eq!(
+        resident(&srv).await,
+        0,
+        "nothing is sealed before the copy ends"
+    );
     let mut stream = resp.into_inner();
     GATE.add_permits(1);
     let answer = stream
@@ -148,7 +160,7 @@ async fn save_headers_go_out_at_the_copys_near_end_and_the_answer_at_its_end() {
         .expect("one message");
     assert!(answer.status.expect("status").ok);
     assert!(stream.message().await.expect("clean trailers").is_none());
-    assert_eq!(resident(&srv), 2);
+    assert_eq!(resident(&srv).await, 2);
 
     // 2. A copy that fails after the headers: the error is the call's status, and nothing
     // is sealed.
@@ -168,7 +180,7 @@ async fn save_headers_go_out_at_the_copys_near_end_and_the_answer_at_its_end() {
         .expect_err("the failed copy's status");
     assert_eq!(e.code(), Code::Internal, "{e:?}");
     assert!(e.message().contains("injected"), "{e:?}");
-    assert_eq!(resident(&srv), 2);
+    assert_eq!(resident(&srv).await, 2);
 
     // The same through the SDK's unary client: a failure, then a success.
     GATE.add_permits(1);
@@ -177,21 +189,52 @@ async fn save_headers_go_out_at_the_copys_near_end_and_the_answer_at_its_end() {
     FAIL.store(false, Ordering::SeqCst);
     GATE.add_permits(1);
     w.save(&[2, 3], &hs[2..4]).await.expect("saved");
-    assert_eq!(resident(&srv), 4);
+    assert_eq!(resident(&srv).await, 4);
 
     // 3. A transport that never signals: the headers wait for the answer.
     SIGNAL.store(false, Ordering::SeqCst);
     let h5 = vec![hash_of("early", 5)];
-    let call = tokio::spawn(raw_save_to_end(
-        srv.handle.endpoint(),
-        save_request(&w, &[5], &h5),
-    ));
+    let call = tokio::spawn(raw_save(srv.handle.endpoint(), save_request(&w, &[5], &h5)));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!call.is_finished(), "no headers before the copy ended");
     GATE.add_permits(1);
-    call.await.unwrap().expect("saved");
-    assert_eq!(resident(&srv), 5);
+    answered_ok(call.await.unwrap()).await;
+    assert_eq!(resident(&srv).await, 5);
     SIGNAL.store(true, Ordering::SeqCst);
+
+    // A call with a deadline: no early headers (the deadline would stop at them).
+    let h7 = vec![hash_of("early", 7)];
+    let mut req = tonic::Request::new(save_request(&w, &[7], &h7));
+    req.set_timeout(Duration::from_secs(30));
+    let call = tokio::spawn(raw_save(srv.handle.endpoint(), req));
+    tokio::time::sleep(Duration::from_millis(300)).await;
+    assert!(!call.is_finished(), "no headers before the copy ended");
+    GATE.add_permits(1);
+    answered_ok(call.await.unwrap()).await;
+    assert_eq!(resident(&srv).await, 6);
+
+    // A call dropped after its headers: the Save still runs to its end and seals.
+    let h6 = vec![hash_of("early", 6)];
+    let resp = raw_save(srv.handle.endpoint(), save_request(&w, &[4], &h6))
+        .await
+        .expect("headers");
+    drop(resp);
+    GATE.add_permits(1);
+    let mut sealed = 0;
+    for _ in 0..200 {
+        sealed = resident(&srv).await;
+        if sealed == 7 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(sealed, 7, "the dropped call's Save completed");
+    // Each answered Save counted once: four ok (1, the SDK's success, 3 and the deadline's);
+    // 2 and the SDK's failure as Internal. (The dropped call may count as ok once its Save
+    // ends, or not at all, as a cancelled unary call would.)
+    let ok = saves_counted(&srv, "ok");
+    assert!((4..=5).contains(&ok), "{ok}");
+    assert_eq!(saves_counted(&srv, "Internal"), 2);
 
     // A refusal before any copy is still trailers-only with its code.
     let mut bad = save_request(&w, &[0], &hs[..1]);
@@ -205,22 +248,22 @@ async fn save_headers_go_out_at_the_copys_near_end_and_the_answer_at_its_end() {
     // 4. Switched off: the headers wait for the answer although the transport signals.
     let srv = gated_server(false).await;
     let w = Worker::register(&srv, "late", "ns", SHAPE, 0, 1, 0).await;
-    let call = tokio::spawn(raw_save_to_end(
+    let call = tokio::spawn(raw_save(
         srv.handle.endpoint(),
         save_request(&w, &[0], &hs[..1]),
     ));
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!call.is_finished(), "no headers before the copy ended");
     GATE.add_permits(1);
-    call.await.unwrap().expect("saved");
-    assert_eq!(resident(&srv), 1);
+    answered_ok(call.await.unwrap()).await;
+    assert_eq!(resident(&srv).await, 1);
     srv.shutdown().await;
 }
 
-/// [`raw_save`] and its answer, from a task of its own.
-async fn raw_save_to_end(endpoint: String, req: pb::SaveRequest) -> Result<(), tonic::Status> {
-    let mut s = raw_save(endpoint, req).await?.into_inner();
-    let answer = s.message().await?.expect("one message");
+/// Reads the one answer of a call that [`raw_save`] returned, and checks it is ok.
+async fn answered_ok(r: Result<Streamed, tonic::Status>) {
+    let mut s = r.expect("headers").into_inner();
+    let answer = s.message().await.expect("an answer").expect("one message");
     assert!(answer.status.expect("status").ok);
-    Ok(())
+    assert!(s.message().await.expect("clean trailers").is_none());
 }

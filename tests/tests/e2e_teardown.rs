@@ -103,14 +103,8 @@ impl Transport for ProbeTransport {
     async fn copy(&self, batch: CopyBatch) -> Result<(), TransportError> {
         event(format!("copy start {:?}", batch.direction));
         tokio::time::sleep(Duration::from_millis(COPY_DELAY_MS.load(Ordering::Relaxed))).await;
-        for op in &batch.ops {
-            let (src, dst) = match batch.direction {
-                Direction::ToHost => (op.device_addr as usize, op.host_addr),
-                Direction::ToDevice => (op.host_addr, op.device_addr as usize),
-            };
-            // SAFETY: the engine keeps both sides alive until this future completes.
-            unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, op.len) };
-        }
+        // SAFETY: the engine keeps both sides alive until this future completes.
+        unsafe { memcpy_ops(&batch) };
         event(format!("copy end {:?}", batch.direction));
         Ok(())
     }
