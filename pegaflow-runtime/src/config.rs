@@ -179,7 +179,8 @@ pub struct ServerConfig {
     #[serde(default = "default_true")]
     pub numa_affinity: bool,
     /// Send a Save's response headers as soon as its copy nears its end (a transport's
-    /// [`crate::plugin::signal_near_end`]: the `cuda` transport's last ~0.3 ms), and its
+    /// [`crate::plugin::signal_near_end`]: the `cuda` transport under `wait = "tail"`, from
+    /// the batch's last ~16 MiB, ~0.3 ms, or one staging chunk more), and its
     /// answer when the copy ends, so that the client's threads, asleep through the copy, are
     /// awake by then. Default true; false sends the headers with the answer. On the H200
     /// machine the published client saw its answer ~150 µs sooner after a 10 ms Save

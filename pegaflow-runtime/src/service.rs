@@ -89,7 +89,7 @@ impl EngineService {
     /// [`GuardedEngineServer`].
     pub fn into_server(self) -> GuardedEngineServer {
         let metrics = self.engine.metrics().clone();
-        let early_save = self.save_headers_early.then(|| self.clone());
+        let early_save = self.save_headers_early.then(|| Arc::new(self.clone()));
         GuardedEngineServer {
             inner: pb::engine_server::EngineServer::new(self)
                 .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
@@ -149,12 +149,18 @@ impl EngineService {
     /// as under the unary handler; when the transport signals its copy's near end first, the
     /// response (headers) is returned at once and the answer, or the error status in the
     /// trailers, follows when the Save ends.
+    ///
+    /// A request with a deadline (`grpc-timeout`) gets no early headers: the server's
+    /// deadline covers a response only up to its headers, so the answer waits for the Save as
+    /// under the unary handler and the deadline still applies to all of it. (The published
+    /// client sends none.)
     async fn save_with_early_headers(
-        &self,
+        self: Arc<Self>,
         request: Request<pb::SaveRequest>,
     ) -> Result<Response<SaveAnswer>, Status> {
         let t0 = Instant::now();
         tracing::debug!(layers = request.get_ref().saves.len(), "save received");
+        let has_deadline = request.metadata().contains_key(GRPC_TIMEOUT);
         let cmd = match decode::save(request.into_inner()) {
             Ok(cmd) => cmd,
             Err(e) => return self.save_answered(t0, Err(e.into())).map(answer_now),
@@ -162,6 +168,9 @@ impl EngineService {
         let (near, near_end) = NearEnd::new();
         let engine = self.engine.clone();
         let mut task = tokio::spawn(near.scope(async move { engine.save(cmd).await }));
+        if has_deadline {
+            return self.save_answered(t0, joined(task.await)).map(answer_now);
+        }
         tokio::select! {
             biased;
             r = &mut task => return self.save_answered(t0, joined(r)).map(answer_now),
@@ -199,8 +208,11 @@ fn answer_now(resp: pb::SaveResponse) -> Response<SaveAnswer> {
     )))))
 }
 
+/// The request header that carries a client's deadline.
+const GRPC_TIMEOUT: &str = "grpc-timeout";
+
 /// [`EngineService::save_with_early_headers`] as tonic's server-streaming service.
-struct EarlySave(EngineService);
+struct EarlySave(Arc<EngineService>);
 
 impl tonic::server::ServerStreamingService<pb::SaveRequest> for EarlySave {
     type Response = pb::SaveResponse;
@@ -561,7 +573,7 @@ pub struct GuardedEngineServer {
     inner: pb::engine_server::EngineServer<EngineService>,
     /// The service that answers Saves with early headers, when
     /// [`EngineService::with_save_headers_early`] is on.
-    early_save: Option<EngineService>,
+    early_save: Option<Arc<EngineService>>,
     metrics: Arc<Metrics>,
 }
 
@@ -599,6 +611,7 @@ where
         let fut: Self::Future = match &self.early_save {
             Some(svc) if req.uri().path() == SAVE_PATH => {
                 let svc = EarlySave(svc.clone());
+                // The limits and the compression (none) of `into_server`'s generated server.
                 Box::pin(async move {
                     let codec =
                         tonic_prost::ProstCodec::<pb::SaveResponse, pb::SaveRequest>::default();

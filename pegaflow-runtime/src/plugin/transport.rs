@@ -312,7 +312,8 @@ impl NearEnd {
 
 /// Called by a transport, on the task that awaits a batch (inside [`Transport::copy`] or
 /// [`Transport::copy_parts`]), once the batch's end is about a thread's wake-up away (the
-/// `cuda` transport: when it starts polling the last ~16 MiB, ~0.3 ms at 55 GB/s). Only a
+/// `cuda` transport under `wait = "tail"`: when it starts polling the last ~16 MiB, ~0.3 ms
+/// at 55 GB/s, or up to one staging chunk or direct copy more). Only a
 /// hint: it changes no result, a transport need not call it, and a call with nobody
 /// listening, or a second call, does nothing. A batch may still fail after it.
 pub fn signal_near_end() {
