@@ -168,11 +168,12 @@ pub struct CudaTransportConfig {
     /// against 10.10 ms with `sleep` (docs/BENCHMARKS.md §13).
     pub wait: Wait,
     /// `idle_poll_us`: after a batch, a worker polls its queue for this many µs before it
-    /// sleeps on it, so that a Save or Load that follows within that time starts without a
-    /// thread wake-up (~100–150 µs on the H200 machine). Default 3,000 (3 ms: more than the
-    /// published client's ~0.5–1.7 ms between Saves); 0 to 100,000. Costs one core per worker
-    /// (one per device and direction) for that long after each batch. On the H200 machine it
-    /// took 32-block Saves from 34.3 to 34.9 GB/s (docs/BENCHMARKS.md §13).
+    /// sleeps on it, so that a Save or Load that follows within that time starts without the
+    /// worker's wake-up. Default 3,000 (3 ms: more than the published client's ~0.5–2 ms
+    /// between Saves); 0 to 100,000. Costs one core per worker (one per device and direction)
+    /// for that long after each batch, so under steady traffic a busy worker never sleeps.
+    /// On the H200 machine the handover to the worker fell from ~55 to ~17 µs on a 256-block
+    /// Save, and 32-block Saves went from 34.3 to 34.9 GB/s (docs/BENCHMARKS.md §13).
     pub idle_poll_us: u64,
     /// [`Wait::Tail`]'s tail ([`TAIL_BYTES`]) and mark spacing ([`MARK_BYTES`]), in bytes. Not
     /// settings: tests shrink them so that small batches take the sleeping branch too.
@@ -604,10 +605,8 @@ impl CudaTransport {
         let tx = self.worker(ordinal, batch.direction)?;
         let (reply, mut rx) = oneshot::channel();
         let (near_end, near_rx) = oneshot::channel();
-        let caller_polls = self
-            .shared
-            .as_ref()
-            .is_ok_and(|s| s.cfg.wait != Wait::Sleep);
+        let wait = self.shared.as_ref().map_or(Wait::Sleep, |s| s.cfg.wait);
+        let caller_polls = wait != Wait::Sleep;
         let job = Job {
             batch,
             parts,
@@ -624,11 +623,14 @@ impl CudaTransport {
             ))
         };
         if caller_polls && near_rx.await.is_ok() {
-            // The batch is in its tail: tell whoever listens for it (the RPC layer sends a
-            // Save's response headers), then poll for the answer on this task, yielding
-            // between polls, for at most POLL_LIMIT (the worker's limit under Tail), then
-            // sleep on it.
-            pegaflow_runtime::signal_near_end();
+            // The batch is in its tail (under Spin: all of it is enqueued). Under Tail, tell
+            // whoever listens for the near end (the RPC layer sends a Save's response
+            // headers; under Spin the end may still be a whole copy away). Then poll for the
+            // answer on this task, yielding between polls, for at most POLL_LIMIT (the
+            // worker's limit under Tail), then sleep on it.
+            if wait == Wait::Tail {
+                pegaflow_runtime::signal_near_end();
+            }
             let until = std::time::Instant::now() + POLL_LIMIT;
             loop {
                 match rx.try_recv() {
