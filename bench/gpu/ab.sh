@@ -19,7 +19,7 @@ export PYTHONPATH=/tmp/pf-site
 wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
 # Our server pins its pool in the background after it serves (~6 s for 16 GiB here); a bench that
 # starts before that measures copies from unpinned memory. Wait for its log line (PegaFlow's log has none).
-wait_pinned() { grep -q "pegaflow-server starting" "$1" || return 0; for _ in $(seq 1 240); do grep -q "landing tier pinned" "$1" && return 0; sleep 0.25; done; echo "warning: the pool was not pinned after 60 s" >&2; }
+wait_pinned() { grep -q "pegaflow-server starting" "$1" || return 0; for _ in $(seq 1 240); do grep -qE "landing tier pinned|cannot pin" "$1" && return 0; sleep 0.25; done; echo "warning: the pool was not pinned after 60 s" >&2; }
 stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.25; done; kill -9 "$1" 2>/dev/null; }
 qos_pid=""
 # The latency helper never outlives the script (a failed start, an interrupt, the end).
