@@ -24,6 +24,10 @@ struct Args {
     /// How long before the answer the response headers go out, µs (0: with the answer).
     #[arg(long, default_value_t = 0)]
     lead_us: u64,
+    /// Answer every Save with an INTERNAL status (in the trailers, after the headers) instead
+    /// of `ok`: how the client takes a Save that fails after its headers.
+    #[arg(long)]
+    answer_error: bool,
 }
 
 async fn until(t: Instant) {
@@ -48,17 +52,20 @@ impl tonic::server::ServerStreamingService<pb::SaveRequest> for SaveSvc {
             let t0 = Instant::now();
             let end = t0 + Duration::from_micros(a.hold_us);
             until(end - Duration::from_micros(a.lead_us.min(a.hold_us))).await;
-            let answer = async_stream_once(end);
+            let answer = async_stream_once(end, a.answer_error);
             Ok(Response::new(answer))
         })
     }
 }
 
-fn async_stream_once(end: Instant) -> Answer {
+fn async_stream_once(end: Instant, error: bool) -> Answer {
     Box::pin(tokio_stream::StreamExt::then(
         tokio_stream::iter([()]),
         move |()| async move {
             until(end).await;
+            if error {
+                return Err(Status::internal("wake probe: the copy failed"));
+            }
             Ok(pb::SaveResponse {
                 status: Some(pb::ResponseStatus {
                     ok: true,
