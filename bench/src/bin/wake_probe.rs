@@ -39,7 +39,7 @@ async fn until(t: Instant) {
 #[derive(Clone, Copy)]
 struct SaveSvc(Args);
 
-type Answer = Pin<Box<dyn tokio_stream::Stream<Item = Result<pb::SaveResponse, Status>> + Send>>;
+type Answer = Pin<Box<dyn futures::Stream<Item = Result<pb::SaveResponse, Status>> + Send>>;
 
 impl tonic::server::ServerStreamingService<pb::SaveRequest> for SaveSvc {
     type Response = pb::SaveResponse;
@@ -52,28 +52,26 @@ impl tonic::server::ServerStreamingService<pb::SaveRequest> for SaveSvc {
             let t0 = Instant::now();
             let end = t0 + Duration::from_micros(a.hold_us);
             until(end - Duration::from_micros(a.lead_us.min(a.hold_us))).await;
-            let answer = async_stream_once(end, a.answer_error);
+            let answer = answer_at(end, a.answer_error);
             Ok(Response::new(answer))
         })
     }
 }
 
-fn async_stream_once(end: Instant, error: bool) -> Answer {
-    Box::pin(tokio_stream::StreamExt::then(
-        tokio_stream::iter([()]),
-        move |()| async move {
-            until(end).await;
-            if error {
-                return Err(Status::internal("wake probe: the copy failed"));
-            }
-            Ok(pb::SaveResponse {
-                status: Some(pb::ResponseStatus {
-                    ok: true,
-                    message: String::new(),
-                }),
-            })
-        },
-    ))
+/// The one answer, at `end`: `ok`, or an INTERNAL status when `error`.
+fn answer_at(end: Instant, error: bool) -> Answer {
+    Box::pin(futures::stream::once(async move {
+        until(end).await;
+        if error {
+            return Err(Status::internal("wake probe: the copy failed"));
+        }
+        Ok(pb::SaveResponse {
+            status: Some(pb::ResponseStatus {
+                ok: true,
+                message: String::new(),
+            }),
+        })
+    }))
 }
 
 #[derive(Clone, Copy)]
