@@ -22,8 +22,8 @@ use crate::error::{echo, EngineError, EngineResult};
 use crate::metrics::{PhaseClock, SavePhase};
 use crate::plugin::{CopyBatch, CopyOp, Direction};
 
-/// One block of a Save request. Its slots and device parts live in the plan's flat lists
-/// ([`SavePlan`]), so planning allocates nothing per block.
+/// One block of a Save request. Its slots and device parts live in the plan's [`Fill`], so
+/// planning allocates nothing per block.
 struct BlockPlan<'a> {
     group: u32,
     /// Where the hash is in the request: (index in the Save's non-empty layers, position).
@@ -37,13 +37,40 @@ struct BlockPlan<'a> {
 }
 
 /// The plan of a Save: one block per (group, hash) not yet resident, in request order, and
-/// the slots and device parts that fill them, flat, in the order the layers were planned.
+/// the slots and device parts that fill them.
 struct SavePlan<'a> {
     blocks: Vec<BlockPlan<'a>>,
-    /// (block, slot index, offset in the block's buffer, length).
-    slots: Vec<(u32, usize, usize, usize)>,
-    /// (block, layer, device block id, offset in the block's buffer).
-    parts: Vec<(u32, &'a WorkerLayer, u32, usize)>,
+    fill: Fill<'a>,
+}
+
+/// How a Save's planned blocks are filled.
+enum Fill<'a> {
+    /// Every block the same way: each save layer in request order adds one slot and one
+    /// device part. Planned when the Save is layer-first, every layer carries the same hash
+    /// list of one group and every layer fills its own slot (a vLLM or native Save of whole
+    /// blocks): nothing is recorded per (block, layer), and the device parts are built while
+    /// the copy runs. A block planned at position `pos` takes layer `l`'s part from device
+    /// block `l.block_ids[pos]`.
+    Uniform(Vec<UniformLayer<'a>>),
+    /// Anything else: the slots and device parts, flat, in the order the layers were planned.
+    Listed {
+        /// (block, slot index, offset in the block's buffer, length).
+        slots: Vec<(u32, usize, usize, usize)>,
+        /// (block, layer, device block id, offset in the block's buffer).
+        parts: Vec<(u32, &'a WorkerLayer, u32, usize)>,
+    },
+}
+
+/// One save layer of a [`Fill::Uniform`] plan.
+struct UniformLayer<'a> {
+    layer: &'a WorkerLayer,
+    /// Its device block ids, one per position of the shared hash list.
+    block_ids: &'a [u32],
+    /// The slot it fills.
+    slot: usize,
+    /// Where that slot starts in each block's buffer, and its length (bytes).
+    offset: usize,
+    len: usize,
 }
 
 /// `items` of `n` blocks regrouped block by block (stable; `block` says whose an item is,
@@ -132,6 +159,45 @@ pub(super) fn push_merged(ops: &mut Vec<CopyOp>, op: CopyOp) {
 /// the slot.
 type ResolvedLayer<'a> = (&'a WorkerLayer, usize, usize);
 
+/// The layers of a [`Fill::Uniform`] Save, each slot after the previous one in the block's
+/// buffer; `None` when the Save is not one (page-first, a second group, another hash list, a
+/// slot filled twice, or block ids that do not pair with the hashes).
+fn uniform_layers<'a>(
+    topo: &Topology,
+    saves: &[&'a SaveLayer],
+    layers: &[ResolvedLayer<'a>],
+) -> Option<Vec<UniformLayer<'a>>> {
+    let (first, &(first_layer, _, _)) = (*saves.first()?, layers.first()?);
+    if topo.page_first {
+        return None;
+    }
+    let mut filled: Vec<bool> = Vec::new();
+    let mut offset = 0;
+    let mut out = Vec::with_capacity(layers.len());
+    for (&s, &(layer, slot, _)) in saves.iter().zip(layers) {
+        let same_list = std::ptr::eq(s, first) || s.hashes == first.hashes;
+        if layer.group != first_layer.group || !same_list || s.block_ids.len() != s.hashes.len() {
+            return None;
+        }
+        if slot >= filled.len() {
+            filled.resize(slot + 1, false);
+        }
+        if std::mem::replace(&mut filled[slot], true) {
+            return None;
+        }
+        let len = layer.layout.block_bytes() as usize;
+        out.push(UniformLayer {
+            layer,
+            block_ids: &s.block_ids,
+            slot,
+            offset,
+            len,
+        });
+        offset += len;
+    }
+    Some(out)
+}
+
 impl Engine {
     /// Save (see the module doc): validate → resolve the worker → check the layers → plan →
     /// allocate → copy → seal. INVALID_ARGUMENT / FAILED_PRECONDITION before any allocation
@@ -174,7 +240,12 @@ impl Engine {
         let totals: Vec<usize> = wl.topology.groups.iter().map(|g| g.total_slots).collect();
         let bufs = self.copy_to_host(&wl, &plan, bufs).await?;
         clock.lap(phases.save(SavePhase::Copy));
-        let slots = plan.slots;
+        let slots = match plan.fill {
+            Fill::Uniform(layers) => {
+                SealSlots::Same(layers.iter().map(|l| (l.slot, l.offset, l.len)).collect())
+            }
+            Fill::Listed { slots, .. } => SealSlots::Listed(slots),
+        };
         drop(layers);
         drop(saves);
         let job = SealBatch {
@@ -208,12 +279,12 @@ impl Engine {
         saves: &[&'a SaveLayer],
         layers: &[ResolvedLayer<'a>],
     ) -> EngineResult<SavePlan<'a>> {
-        let mut plan = SavePlan {
-            blocks: Vec::new(),
-            slots: Vec::new(),
-            parts: Vec::new(),
-        };
-        let plans = &mut plan.blocks;
+        if let Some(uniform) = uniform_layers(topo, saves, layers) {
+            return Ok(self.plan_uniform(ns, saves[0], uniform));
+        }
+        let mut plans = Vec::new();
+        let mut slots = Vec::new();
+        let mut parts = Vec::new();
         // Sized for the first layer's list (usually every layer's): no rehash while planning.
         let mut by_key: hashbrown::HashMap<(u32, &[u8]), u32> =
             hashbrown::HashMap::with_capacity(saves.first().map_or(0, |s| s.hashes.len()));
@@ -258,9 +329,9 @@ impl Engine {
                     })
                     .collect()
             };
-            if plan.parts.capacity() == 0 {
-                plan.parts.reserve(plans.len() * saves.len());
-                plan.slots.reserve(plans.len() * saves.len());
+            if parts.capacity() == 0 {
+                parts.reserve(plans.len() * saves.len());
+                slots.reserve(plans.len() * saves.len());
             }
             for (&bid, idx) in s.block_ids.iter().zip(&positions) {
                 let Some(idx) = *idx else { continue };
@@ -272,14 +343,14 @@ impl Engine {
                                 "no page {slot} in the sealed topology"
                             )));
                         };
-                        plan.slots.push((idx, slot, 0, page));
+                        slots.push((idx, slot, 0, page));
                         p.len = page;
                     }
                     // Parts of one layer are pushed together: a repeat is the same hash twice.
                     if p.last_layer.is_some_and(|l| std::ptr::eq(l, layer)) {
                         continue;
                     }
-                    plan.parts.push((idx, layer, bid, page_off));
+                    parts.push((idx, layer, bid, page_off));
                     p.last_layer = Some(layer);
                 } else {
                     // Each layer has its own slot and pushes its parts together, so a repeat of
@@ -287,15 +358,51 @@ impl Engine {
                     if p.last_slot == Some(slot) {
                         continue;
                     }
-                    plan.slots.push((idx, slot, p.len, block_bytes));
-                    plan.parts.push((idx, layer, bid, p.len));
+                    slots.push((idx, slot, p.len, block_bytes));
+                    parts.push((idx, layer, bid, p.len));
                     p.len += block_bytes;
                     p.last_slot = Some(slot);
                 }
             }
             prev = Some((layer.group, &s.hashes, positions));
         }
-        Ok(plan)
+        Ok(SavePlan {
+            blocks: plans,
+            fill: Fill::Listed { slots, parts },
+        })
+    }
+
+    /// [`Engine::plan_save`] for a [`Fill::Uniform`] Save: one block per hash of the shared
+    /// list not yet resident, the first of repeated hashes (whose block ids the layers then
+    /// use), in request order. Per block it records only its position.
+    fn plan_uniform<'a>(
+        &self,
+        ns: &Arc<str>,
+        first: &SaveLayer,
+        layers: Vec<UniformLayer<'a>>,
+    ) -> SavePlan<'a> {
+        let group = layers[0].layer.group;
+        let len: usize = layers.iter().map(|l| l.len).sum();
+        let hashes: Vec<&[u8]> = first.hashes.iter().collect();
+        let resident = self.store.contains_many(ns, group, &hashes);
+        let mut seen: hashbrown::HashSet<&[u8]> = hashbrown::HashSet::with_capacity(hashes.len());
+        let blocks = hashes
+            .iter()
+            .zip(resident)
+            .enumerate()
+            .filter(|&(_, (&hash, resident))| !resident && seen.insert(hash))
+            .map(|(pos, _)| BlockPlan {
+                group,
+                at: (0, pos as u32),
+                len,
+                last_slot: None,
+                last_layer: None,
+            })
+            .collect();
+        SavePlan {
+            blocks,
+            fill: Fill::Uniform(layers),
+        }
     }
 
     /// Host buffers for the plans, all or nothing (the store evicts under pressure). Blocks
@@ -331,13 +438,6 @@ impl Engine {
         plan: &SavePlan<'_>,
         bufs: Vec<Arc<HostBuffer>>,
     ) -> EngineResult<Vec<Arc<HostBuffer>>> {
-        // Each block's device parts, in layer order (the plan lists them layer by layer).
-        let (parts, starts) = group_by_block(
-            plan.blocks.len(),
-            &plan.parts,
-            |p| p.0,
-            |&(_, layer, bid, off)| (layer, bid, off),
-        );
         let batch = CopyBatch {
             location: wl.worker.location,
             direction: Direction::ToHost,
@@ -351,13 +451,35 @@ impl Engine {
         let keep = (bufs.clone(), wl.worker.clone());
         tracing::debug!(blocks = plan.blocks.len(), "save copy starting");
         let (mut feed, copy) = super::copy::start_copy(transport, batch, keep).await;
-        for (b, buf) in bufs.iter().enumerate() {
-            let mut bytes = 0;
-            for &(layer, bid, off) in &parts[starts[b] as usize..starts[b + 1] as usize] {
-                push_ops(feed.ops(), layer, bid as u64, buf, off);
-                bytes += layer.layout.block_bytes();
+        match &plan.fill {
+            Fill::Uniform(layers) => {
+                let bytes: u64 = layers.iter().map(|l| l.len as u64).sum();
+                for (p, buf) in plan.blocks.iter().zip(bufs.iter()) {
+                    let pos = p.at.1 as usize;
+                    for l in layers {
+                        push_ops(feed.ops(), l.layer, l.block_ids[pos] as u64, buf, l.offset);
+                    }
+                    feed.block_done(bytes);
+                }
             }
-            feed.block_done(bytes);
+            Fill::Listed { parts, .. } => {
+                // Each block's device parts, in layer order (the plan lists them layer by
+                // layer).
+                let (parts, starts) = group_by_block(
+                    plan.blocks.len(),
+                    parts,
+                    |p| p.0,
+                    |&(_, layer, bid, off)| (layer, bid, off),
+                );
+                for (b, buf) in bufs.iter().enumerate() {
+                    let mut bytes = 0;
+                    for &(layer, bid, off) in &parts[starts[b] as usize..starts[b + 1] as usize] {
+                        push_ops(feed.ops(), layer, bid as u64, buf, off);
+                        bytes += layer.layout.block_bytes();
+                    }
+                    feed.block_done(bytes);
+                }
+            }
         }
         let bytes = feed.finish();
         let r = copy.wait().await;
@@ -399,12 +521,18 @@ impl Engine {
             slots,
             bufs,
         } = job;
-        let (slot_recs, starts) = slots_by_block(blocks.len(), &slots);
+        let (slot_recs, starts) = match &slots {
+            SealSlots::Listed(s) => slots_by_block(blocks.len(), s),
+            SealSlots::Same(_) => (Vec::new(), Vec::new()),
+        };
         let mut sealed: Vec<(u32, &[u8], Arc<SealedBlock>)> = Vec::with_capacity(blocks.len());
         let mut inflight = self.inflight.lock();
         let mut inflight_changed = false;
         for ((bi, &(group, li, pos)), buf) in blocks.iter().enumerate().zip(bufs) {
-            let recs = &slot_recs[starts[bi] as usize..starts[bi + 1] as usize];
+            let recs = match &slots {
+                SealSlots::Same(recs) => &recs[..],
+                SealSlots::Listed(_) => &slot_recs[starts[bi] as usize..starts[bi + 1] as usize],
+            };
             let total = totals[group as usize];
             let hash: &[u8] = &cmd.layers[li as usize].hashes[pos as usize];
             let fp = self.store.pool().footprint_bytes(buf.len());
@@ -519,10 +647,19 @@ struct SealBatch {
     cmd: SaveCommand,
     /// Per planned block: (group, layer index in `cmd`, position in that layer's lists).
     blocks: Vec<(u32, u32, u32)>,
-    /// The plan's slot records: (block, slot, offset in the block's buffer, length).
-    slots: Vec<(u32, usize, usize, usize)>,
+    /// The plan's slot records.
+    slots: SealSlots,
     /// The blocks' host buffers, copied.
     bufs: Vec<Arc<HostBuffer>>,
+}
+
+/// A Save's slot records, for its seal.
+enum SealSlots {
+    /// Every block's: (slot, offset in the block's buffer, length), in order
+    /// ([`Fill::Uniform`]).
+    Same(Vec<(usize, usize, usize)>),
+    /// Per block: (block, slot, offset in the block's buffer, length), in plan order.
+    Listed(Vec<(u32, usize, usize, usize)>),
 }
 
 /// Enters the instance's gate and resolves the saving worker; its ranks must be the ones the
