@@ -10,12 +10,10 @@
 # Prints one line per run (save and load GB/s per rep, byte-exactness, the server's mean Save
 # phases in ms, its resident and transparent-huge-page bytes) and the medians per entry; appends the raw JSON lines to $OUT/ab.jsonl.
 set -u
-export PYTHONUNBUFFERED=1
 d=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 logs=/tmp/ab-logs; mkdir -p "$logs"   # per-run server logs stay on the machine
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/pf-site
+. "$d/client-env.sh"
 wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
 # Our server pins its pool in the background after it serves (~6 s for 16 GiB here); a bench that
 # starts before that measures copies from unpinned memory. Wait for its log line (PegaFlow's log has none).

@@ -9,11 +9,9 @@
 # Env: RUNS (default "A B C"), WAIT_AFTER_PIN (seconds between the pool's pinning and the first
 # bench, default 0), BATCH, REPS.
 set -u
-export PYTHONUNBUFFERED=1
 d=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/pf-site
+. "$d/client-env.sh"
 log=/tmp/first-rep.log
 "$d/${BIN:-pegaflow-server}" --log-level "info,pegaflow_runtime::service=debug,pegaflow_transport_cuda=debug" --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb > "$log" 2>&1 & pid=$!
 for _ in $(seq 1 120); do curl -sf 127.0.0.1:9091/health >/dev/null && break; sleep 0.5; done

@@ -3,8 +3,7 @@
 # in the client's process, alternating, at 256- and 32-block Saves, against one server start
 # (BIN, default pegaflow-server in this folder).
 d=$(cd "$(dirname "$0")" && pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/pf-site
+. "$d/client-env.sh"
 "$d/${BIN:-pegaflow-server}" --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb > /tmp/ft.log 2>&1 & pid=$!
 # Measured once the pool is pinned (the log says so), so that no floor waits on the pinning.
 for _ in $(seq 1 240); do grep -q "landing tier pinned" /tmp/ft.log && break; sleep 0.25; done

@@ -5,8 +5,7 @@
 # folder, default old, new, old, new). Prints the tag, mean and p50 ms of each floor: RPCs that
 # stall behind the pinning show in the mean.
 d=$(cd "$(dirname "$0")" && pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/pf-site
+. "$d/client-env.sh"
 for bin in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server}; do
   "$d/$bin" --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb > /tmp/pf.log 2>&1 & pid=$!
   up=0; for _ in $(seq 1 120); do curl -sf 127.0.0.1:9091/health >/dev/null && { up=1; break; }; sleep 0.25; done

@@ -3,11 +3,9 @@
 # (BIN or BIN:CFG as in ab.sh) it starts the server with the Save path's debug lines on, runs
 # save_trace.py (40 Saves of BATCH blocks, default 256) and prints save_trace_report.py's table.
 set -u
-export PYTHONUNBUFFERED=1
 d=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || exit 1
-export PYTHONPATH=/tmp/pf-site
+. "$d/client-env.sh"
 for entry in ${BINS:-pegaflow-server}; do
   bin=${entry%%:*}; cfg=""; [ "$entry" != "$bin" ] && cfg="--config $d/${entry#*:}.toml"
   tag=${entry//:/-}

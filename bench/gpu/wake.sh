@@ -8,8 +8,7 @@
 # into this folder (prepare-gpu-run.sh does it when the binary is there).
 set -u
 d=$(cd "$(dirname "$0")" && pwd)
-python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed"; exit 1; }
-export PYTHONPATH=/tmp/pf-site
+. "$d/client-env.sh"
 for hold in ${HOLDS:-10000 1300}; do
   for rep in 1 2; do
     for lead in ${LEADS:-0 50 100 200 300 500}; do
