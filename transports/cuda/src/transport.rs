@@ -933,10 +933,11 @@ impl Worker {
         if w.kernel.is_some() {
             // Allocate the staging buffers and a descriptor page up front rather than on the
             // first batch. Without the page the first batch allocates its pages as it goes.
-            w.ensure_staging();
-            match alloc_desc_page(DESC_PAGE_START) {
-                Ok(p) => w.desc_pages.push(p),
-                Err(e) => tracing::debug!(ordinal, "no descriptor page up front: {}", e.0),
+            if w.ensure_staging() {
+                match alloc_desc_page(DESC_PAGE_START) {
+                    Ok(p) => w.desc_pages.push(p),
+                    Err(e) => tracing::debug!(ordinal, "no descriptor page up front: {}", e.0),
+                }
             }
         }
         if w.cfg.wait == Wait::Tail {
