@@ -102,14 +102,15 @@ pub const TAIL_BYTES: u64 = 16 << 20;
 /// [`Wait::Tail`] records a mark (an event it can sleep on) each time this many more bytes
 /// are enqueued: 8 MiB.
 pub const MARK_BYTES: u64 = 8 << 20;
-/// A copy worker starts with one descriptor page of this many bytes (host-mapped pinned
-/// memory): 4 MiB, 174,762 descriptors of 24 bytes, more than a 4 GiB Load of 32 KiB ops
-/// needs. A batch that needs more adds pages as before. Allocating pinned pages while a batch
-/// runs cost the first two 512 MiB Saves after a start ~2 ms each on the H200 machine.
+/// A copy worker allocates one descriptor page of this many bytes (host-mapped pinned
+/// memory) ahead of its batches, once it is idle and the pool is pinned: 4 MiB, 174,762
+/// descriptors of 24 bytes, more than a 4 GiB Load of 32 KiB ops needs. A batch that needs
+/// more adds pages as before. Allocating pinned pages while a batch ran cost the first two
+/// 512 MiB Saves after a start ~2 ms each on the H200 machine.
 pub const DESC_PAGE_START: usize = 4 << 20;
-/// Under [`Wait::Tail`] a copy worker starts with the marks' events of a batch this large: 4
-/// GiB, 512 events at [`MARK_BYTES`], so that no batch up to that size creates events while it
-/// runs.
+/// Under [`Wait::Tail`] a copy worker creates the marks' events of a batch this large ahead of
+/// its batches, with its descriptor page: 4 GiB, 512 events at [`MARK_BYTES`], so that no batch
+/// up to that size creates events while it runs.
 pub const MARKS_START_BYTES: u64 = 4 << 30;
 /// [`Wait::Tail`] polls one stream's end for at most this long, then sleeps: 2 ms, more than
 /// one 64 MiB staging chunk's copy (1.2 ms at 55 GB/s) plus the tail. Under Tail and Spin the
@@ -727,7 +728,7 @@ fn worker_main(
         }
     };
     let idle_poll = Duration::from_micros(w.cfg.idle_poll_us);
-    while let Some(mut job) = next_job(&mut rx, idle_poll) {
+    while let Some(mut job) = next_job_preparing(&mut w, &mut rx, idle_poll) {
         let queued_us = job.sent.elapsed().as_micros() as u64;
         w.near_end = Some(job.near_end);
         let (batch, parts) = (&mut job.batch, job.parts.as_mut());
@@ -747,6 +748,34 @@ fn worker_main(
 
 /// The worker's next job: polled for up to `idle_poll` (0: not at all), then slept on; `None`
 /// once every sender is gone.
+/// [`next_job`] for a worker that has not run [`Worker::prepare`] yet: while no job waits,
+/// it checks every 250 µs whether the pool's pinning is over (or there is none), and then
+/// prepares (a job that comes meanwhile waits at most that long for the worker); after [`PREPARE_AFTER`] it prepares anyway (a pinning that was cancelled
+/// or never ends).
+fn next_job_preparing(
+    w: &mut Worker,
+    rx: &mut mpsc::Receiver<Job>,
+    idle_poll: Duration,
+) -> Option<Job> {
+    while !w.prepared {
+        match rx.try_recv() {
+            Ok(job) => return Some(job),
+            Err(mpsc::error::TryRecvError::Disconnected) => return None,
+            Err(mpsc::error::TryRecvError::Empty) => {}
+        }
+        let pinned = w.pins.as_ref().is_none_or(|p| p.is_done());
+        if pinned || w.started.elapsed() >= PREPARE_AFTER {
+            w.prepare();
+        } else {
+            std::thread::sleep(Duration::from_micros(250));
+        }
+    }
+    next_job(rx, idle_poll)
+}
+
+/// [`next_job_preparing`] prepares a worker at the latest this long after it started: 120 s.
+const PREPARE_AFTER: Duration = Duration::from_secs(120);
+
 fn next_job(rx: &mut mpsc::Receiver<Job>, idle_poll: Duration) -> Option<Job> {
     if !idle_poll.is_zero() {
         let until = std::time::Instant::now() + idle_poll;
@@ -854,6 +883,11 @@ struct Worker {
     desc_cursor: (usize, usize),
     /// Scratch of the host-order sort fallback.
     order: Vec<usize>,
+    /// Whether [`Worker::prepare`] ran.
+    prepared: bool,
+    /// When the worker started ([`next_job_preparing`] prepares at the latest
+    /// [`PREPARE_AFTER`] later).
+    started: std::time::Instant,
 }
 
 /// A host-mapped pinned page of kernel descriptors (see `Worker::desc_pages`).
@@ -906,6 +940,8 @@ impl Worker {
             desc_pages: Vec::new(),
             desc_cursor: (0, 0),
             order: Vec::new(),
+            prepared: false,
+            started: std::time::Instant::now(),
         };
         for _ in 0..n {
             let mut s: sys::CUstream = std::ptr::null_mut();
@@ -931,29 +967,40 @@ impl Worker {
             }
         };
         if w.kernel.is_some() {
-            // Allocate the staging buffers and a descriptor page up front rather than on the
-            // first batch. Without the page the first batch allocates its pages as it goes.
-            if w.ensure_staging() {
-                match alloc_desc_page(DESC_PAGE_START) {
-                    Ok(p) => w.desc_pages.push(p),
-                    Err(e) => tracing::debug!(ordinal, "no descriptor page up front: {}", e.0),
+            // Allocate the staging buffers up front rather than on the first batch.
+            w.ensure_staging();
+        }
+        Ok(w)
+    }
+
+    /// What the worker's batches would otherwise allocate while they run: one descriptor page
+    /// of [`DESC_PAGE_START`] bytes (with the staging buffers) and, under [`Wait::Tail`], the
+    /// mark events of a [`MARKS_START_BYTES`] batch. Called once, by [`next_job_preparing`],
+    /// when the worker is idle and the pool's pinning is over, so that these driver calls
+    /// never wait behind the pinning or delay a batch. A failure is logged; the batches then
+    /// allocate as they go.
+    fn prepare(&mut self) {
+        self.prepared = true;
+        if self.staging.is_some() && self.desc_pages.is_empty() {
+            match alloc_desc_page(DESC_PAGE_START) {
+                Ok(p) => self.desc_pages.push(p),
+                Err(e) => {
+                    tracing::debug!(ordinal = self.ordinal, "no descriptor page ahead: {}", e.0)
                 }
             }
         }
-        if w.cfg.wait == Wait::Tail {
-            let marks = (MARKS_START_BYTES / w.cfg.mark_bytes.max(1)).min(4096) as usize;
-            w.mark_events.reserve(marks);
-            for _ in 0..marks {
+        if self.cfg.wait == Wait::Tail {
+            let marks = (MARKS_START_BYTES / self.cfg.mark_bytes.max(1)).min(4096) as usize;
+            while self.mark_events.len() < marks {
                 match new_event(true) {
-                    Ok(e) => w.mark_events.push(e),
+                    Ok(e) => self.mark_events.push(e),
                     Err(e) => {
-                        tracing::debug!(ordinal, "fewer wait marks up front: {}", e.0);
+                        tracing::debug!(ordinal = self.ordinal, "fewer wait marks ahead: {}", e.0);
                         break;
                     }
                 }
             }
         }
-        Ok(w)
     }
 
     /// Notes `bytes` more enqueued on stream `k`; under [`Wait::Tail`] records a mark on it
