@@ -746,12 +746,10 @@ fn worker_main(
     }
 }
 
-/// The worker's next job: polled for up to `idle_poll` (0: not at all), then slept on; `None`
-/// once every sender is gone.
 /// [`next_job`] for a worker that has not run [`Worker::prepare`] yet: while no job waits,
 /// it checks every 250 µs whether the pool's pinning is over (or there is none), and then
-/// prepares (a job that comes meanwhile waits at most that long for the worker); after [`PREPARE_AFTER`] it prepares anyway (a pinning that was cancelled
-/// or never ends).
+/// prepares (a job that comes meanwhile waits at most that long for the worker); after
+/// [`PREPARE_AFTER`] it prepares anyway (a pinning that was cancelled or never ends).
 fn next_job_preparing(
     w: &mut Worker,
     rx: &mut mpsc::Receiver<Job>,
@@ -776,6 +774,8 @@ fn next_job_preparing(
 /// [`next_job_preparing`] prepares a worker at the latest this long after it started: 120 s.
 const PREPARE_AFTER: Duration = Duration::from_secs(120);
 
+/// The worker's next job: polled for up to `idle_poll` (0: not at all), then slept on; `None`
+/// once every sender is gone.
 fn next_job(rx: &mut mpsc::Receiver<Job>, idle_poll: Duration) -> Option<Job> {
     if !idle_poll.is_zero() {
         let until = std::time::Instant::now() + idle_poll;
