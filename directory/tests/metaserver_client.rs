@@ -44,11 +44,12 @@ fn pegaflows() -> Option<PathBuf> {
         .find(|p| p.is_file())
 }
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .and_then(|l| l.local_addr())
-        .map(|a| a.port())
-        .expect("a free port")
+/// Two distinct free loopback ports (both bound at once, then released).
+fn free_ports() -> (u16, u16) {
+    let bind = || std::net::TcpListener::bind("127.0.0.1:0").expect("a free port");
+    let (a, b) = (bind(), bind());
+    let port = |l: &std::net::TcpListener| l.local_addr().expect("bound").port();
+    (port(&a), port(&b))
 }
 
 /// A MetaServer process on free loopback ports, killed when dropped.
@@ -60,17 +61,24 @@ struct MetaServerProcess {
 }
 
 impl MetaServerProcess {
+    /// Starts `bin` on free ports. A port released by [`free_ports`] can be taken by another
+    /// test's process before the MetaServer binds it; the MetaServer then exits, and the
+    /// start is retried on new ports (up to five times).
     fn start(bin: PathBuf) -> Self {
-        let (port, http_port) = (free_port(), free_port());
-        let child = Self::spawn(&bin, port, http_port);
-        let p = Self {
-            child,
-            bin,
-            port,
-            http_port,
-        };
-        p.wait_listening();
-        p
+        for _ in 0..5 {
+            let (port, http_port) = free_ports();
+            let child = Self::spawn(&bin, port, http_port);
+            let mut p = Self {
+                child,
+                bin: bin.clone(),
+                port,
+                http_port,
+            };
+            if p.wait_listening() {
+                return p;
+            }
+        }
+        panic!("{} exited at start five times", bin.display())
     }
 
     fn spawn(bin: &Path, port: u16, http_port: u16) -> Child {
@@ -85,9 +93,19 @@ impl MetaServerProcess {
             .unwrap_or_else(|e| panic!("cannot start {}: {e}", bin.display()))
     }
 
-    fn wait_listening(&self) {
+    /// Waits until the port accepts connections and the process is still running 200 ms
+    /// later (a listener on the port may be another process's); false when the process
+    /// exited (it could not bind).
+    fn wait_listening(&mut self) -> bool {
         let end = Instant::now() + Duration::from_secs(20);
-        while std::net::TcpStream::connect(("127.0.0.1", self.port)).is_err() {
+        loop {
+            if self.child.try_wait().ok().flatten().is_some() {
+                return false;
+            }
+            if std::net::TcpStream::connect(("127.0.0.1", self.port)).is_ok() {
+                std::thread::sleep(Duration::from_millis(200));
+                return self.child.try_wait().ok().flatten().is_none();
+            }
             assert!(
                 Instant::now() < end,
                 "{} did not listen in 20 s",
@@ -101,7 +119,12 @@ impl MetaServerProcess {
         let _ = self.child.kill();
         let _ = self.child.wait();
         self.child = Self::spawn(&self.bin, self.port, self.http_port);
-        self.wait_listening();
+        assert!(
+            self.wait_listening(),
+            "{} exited when restarted on port {}",
+            self.bin.display(),
+            self.port
+        );
     }
 
     fn signal(&self, sig: nix::sys::signal::Signal) {
