@@ -6,9 +6,12 @@
 //! RPC or to the planning meanwhile; or let a part cross a block.
 
 use std::future::Future;
+use std::panic::AssertUnwindSafe;
 use std::pin::Pin;
 use std::sync::Arc;
 use std::task::Poll;
+
+use futures::FutureExt;
 
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{
@@ -34,17 +37,30 @@ pub(super) struct StartedCopy {
 }
 
 impl StartedCopy {
-    /// Waits for the copy on its own task, so that a cancelled RPC cannot drop it midway.
+    /// Waits for the copy on the caller's task: its end wakes this task directly, with no
+    /// task in between. Cancelling the wait cannot cut the copy short: the dropped
+    /// `StartedCopy` spawns what is left of it ([`Drop`]), which keeps the buffers and the
+    /// registration until its end.
     ///
     /// # Errors
-    /// `Internal`: the transport failed the batch, or its task panicked.
+    /// `Internal`: the transport failed the batch, or panicked.
     pub(super) async fn wait(mut self) -> EngineResult<()> {
-        let r = match (self.ready.take(), self.fut.take()) {
-            (Some(r), _) => r,
-            (None, Some(fut)) => tokio::spawn(fut)
-                .await
-                .map_err(|e| EngineError::internal(format!("copy task failed: {e}")))?,
-            (None, None) => unreachable!("a started copy has a future or a result"),
+        let r = match self.ready.take() {
+            Some(r) => {
+                self.fut = None;
+                r
+            }
+            None => {
+                let fut = self
+                    .fut
+                    .as_mut()
+                    .expect("a started copy has a future or a result");
+                let r = AssertUnwindSafe(fut).catch_unwind().await;
+                // Done, or panicked: then its state and what it kept are dropped here, as a
+                // panicking task's would be.
+                self.fut = None;
+                r.map_err(|_| EngineError::internal("copy failed: the transport panicked"))?
+            }
         };
         r.map_err(|e| EngineError::internal(format!("copy failed: {e}")))
     }
@@ -270,6 +286,91 @@ mod tests {
         assert!(weak.upgrade().is_none(), "the copy ran to its end");
         assert!(t.failed.load(Ordering::SeqCst), "an unfinished batch fails");
         assert_eq!(t.parts.lock().len(), 1);
+    }
+
+    /// Finishes its batch once `go` is notified, or panics when `panic` is set.
+    #[derive(Default)]
+    struct Gated {
+        go: tokio::sync::Notify,
+        panic: bool,
+    }
+
+    #[async_trait]
+    impl Transport for Gated {
+        fn kind(&self) -> &'static str {
+            "gated"
+        }
+        fn can_address(&self, _: MemorySpace) -> bool {
+            true
+        }
+        fn install_host_memory(&self, _: &[HostRegion]) -> Result<(), TransportError> {
+            Ok(())
+        }
+        async fn copy(&self, _: CopyBatch) -> Result<(), TransportError> {
+            Ok(())
+        }
+        async fn copy_parts(&self, _: CopyBatch, mut parts: OpParts) -> Result<(), TransportError> {
+            while parts.next().await?.is_some() {}
+            assert!(!self.panic, "transport bug");
+            self.go.notified().await;
+            Ok(())
+        }
+    }
+
+    #[tokio::test]
+    async fn a_cancelled_wait_lets_the_copy_run_to_its_end() {
+        let t = Arc::new(Gated::default());
+        let keep = Arc::new(());
+        let weak = Arc::downgrade(&keep);
+        let (mut feed, copy) = start_copy(t.clone(), batch(), keep).await;
+        feed.ops().push(op(0, 1 << 20));
+        feed.block_done(1 << 20);
+        feed.finish();
+        // The wait is polled until it waits on the transport, then dropped (a cancelled RPC).
+        let waited = tokio::time::timeout(std::time::Duration::from_millis(20), copy.wait()).await;
+        assert!(
+            waited.is_err(),
+            "the copy cannot end before the transport lets it"
+        );
+        for _ in 0..100 {
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            weak.upgrade().is_some(),
+            "what the copy keeps outlives the cancelled wait"
+        );
+        t.go.notify_one();
+        for _ in 0..1000 {
+            if weak.upgrade().is_none() {
+                break;
+            }
+            tokio::task::yield_now().await;
+        }
+        assert!(
+            weak.upgrade().is_none(),
+            "the copy ran to its end and let go"
+        );
+    }
+
+    #[tokio::test]
+    async fn a_panicking_transport_fails_the_wait() {
+        let t = Arc::new(Gated {
+            panic: true,
+            ..Gated::default()
+        });
+        let keep = Arc::new(());
+        let weak = Arc::downgrade(&keep);
+        let (mut feed, copy) = start_copy(t, batch(), keep).await;
+        feed.ops().push(op(0, 1 << 20));
+        feed.block_done(1 << 20);
+        feed.finish();
+        let e = copy.wait().await.unwrap_err();
+        assert!(matches!(e, EngineError::Internal(_)), "{e:?}");
+        assert!(e.to_string().contains("panicked"), "{e}");
+        assert!(
+            weak.upgrade().is_none(),
+            "the panicked copy's state is dropped"
+        );
     }
 
     #[tokio::test]
