@@ -23,6 +23,7 @@ p.add_argument("--blocks", type=int, default=2048, help="blocks per rep")
 p.add_argument("--block-bytes", type=int, default=2 << 20, help="bytes of one block, all layers")
 p.add_argument("--reps", type=int, default=3)
 p.add_argument("--gap-s", type=float, default=0.1, help="idle time between reps (the bench's query, Load and check)")
+p.add_argument("--warmup", type=int, default=10, help="untimed Saves first (pf_bench.py registers and queries before its first rep)")
 p.add_argument("--tag", default="")
 p.add_argument("--torch", action="store_true", help="import torch and start CUDA first, as pf_bench.py does")
 a = p.parse_args()
@@ -33,7 +34,12 @@ if a.torch:
 client = EngineRpcClient(a.endpoint)
 names = [f"model.layers.{i}.self_attn.attn" for i in range(a.layers)]
 gbps, calls = [], []
-for rep in range(a.reps + 1):  # rep 0 warms the connection and is not reported
+ids = list(range(a.batch))
+for w in range(a.warmup):
+    hashes = [hashlib.sha256(f"ideal-warmup-{w}-{i}".encode()).digest() for i in range(a.batch)]
+    client.save("ideal", 0, 0, 0, [(nm, ids, hashes) for nm in names])
+time.sleep(a.gap_s)
+for rep in range(a.reps):
     n = a.blocks
     hashes = [hashlib.sha256(f"ideal-{rep}-{i}".encode()).digest() for i in range(n)]
     ids = list(range(n))
@@ -42,13 +48,11 @@ for rep in range(a.reps + 1):  # rep 0 warms the connection and is not reported
         bi, bh = ids[b:b + a.batch], hashes[b:b + a.batch]
         ts = time.perf_counter()
         ok, msg = client.save("ideal", 0, 0, 0, [(nm, bi, bh) for nm in names])
-        if rep:
-            calls.append(time.perf_counter() - ts)
+        calls.append(time.perf_counter() - ts)
         if not ok:
             raise SystemExit(f"probe refused: {msg}")
     t = time.perf_counter() - t0
-    if rep:
-        gbps.append(round(n * a.block_bytes / t / 1e9, 2))
+    gbps.append(round(n * a.block_bytes / t / 1e9, 2))
     time.sleep(a.gap_s)
 print(json.dumps({"phase": "ideal_save", "tag": a.tag, "hold_us": a.hold_us, "batch": a.batch,
                   "rep_gbps": gbps, "p50_ms": round(st.median(calls) * 1e3, 3),
