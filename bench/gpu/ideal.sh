@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# On the GPU machine (or any machine: no GPU is used): the Save GB/s that an ideal server gives
+# On the GPU machine (or any machine the wheel installs on; a GPU only for TORCH=1 or DMA=1): the Save GB/s that an ideal server gives
 # through the published client, measured rather than computed. For each batch (BATCHES, default
 # "256 32") it starts `pegaflow-wake-probe` from this folder twice and runs ideal_save.py against it:
 # with --hold-us 0 (the probe decodes each Save and answers at once: the client's floor, in the
