@@ -55,9 +55,9 @@ impl StreamingStores {
 
 /// Copies with the CPU (kind `memcpy`); addresses host memory only.
 ///
-/// [`Transport::copy`] runs the whole batch on a thread of the runtime's blocking pool
-/// (splitting batches of at least `parallel_threshold` bytes over up to `threads` of them) and
-/// completes once every byte has moved.
+/// [`Transport::copy`] runs the whole batch on a blocking thread (splitting batches of at
+/// least `parallel_threshold` bytes over up to `threads` scoped threads) and completes once
+/// every byte has moved.
 #[derive(Debug, Clone)]
 pub struct MemcpyTransport {
     threads: usize,
@@ -248,10 +248,8 @@ fn partition(moves: &[Move], total: usize, parts: usize) -> Vec<Vec<Move>> {
     out
 }
 
-/// The batch's moves as the lists the copy threads take: one list, or, for a batch of at
-/// least `parallel_threshold` bytes, up to `threads` lists of about equal bytes (at least
-/// [`MIN_BYTES_PER_THREAD`] each).
-fn split_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize) -> Vec<Vec<Move>> {
+/// Runs every move, on up to `threads` threads when the batch is large.
+fn run_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize, streaming: bool) {
     let total: usize = moves.iter().map(|m| m.len).sum();
     let parts = if total >= parallel_threshold {
         threads.min(total / MIN_BYTES_PER_THREAD).max(1)
@@ -259,9 +257,20 @@ fn split_moves(moves: Vec<Move>, threads: usize, parallel_threshold: usize) -> V
         1
     };
     if parts <= 1 {
-        return vec![moves];
+        run_all(moves, streaming);
+        return;
     }
-    partition(&moves, total, parts)
+    let chunks = partition(&moves, total, parts);
+    std::thread::scope(|s| {
+        let mut chunks = chunks.into_iter();
+        let mine = chunks.next();
+        for chunk in chunks {
+            s.spawn(move || run_all(chunk, streaming));
+        }
+        if let Some(chunk) = mine {
+            run_all(chunk, streaming);
+        }
+    });
 }
 
 #[async_trait]
@@ -294,25 +303,11 @@ impl Transport for MemcpyTransport {
         if moves.iter().all(|m| m.len == 0) {
             return Ok(());
         }
+        let (threads, threshold) = (self.threads, self.parallel_threshold);
         let streaming = self.streaming.applies_to(batch.direction);
-        // Each list on a thread of the runtime's blocking pool, which keeps its threads
-        // between batches: no thread is created per batch.
-        let copies: Vec<_> = split_moves(moves, self.threads, self.parallel_threshold)
-            .into_iter()
-            .map(|list| tokio::task::spawn_blocking(move || run_all(list, streaming)))
-            .collect();
-        // Every list is waited for, failed or not: the batch's memory must stay untouched
-        // by the time this returns.
-        let mut failed = None;
-        for copy in copies {
-            if let Err(e) = copy.await {
-                failed.get_or_insert(e);
-            }
-        }
-        match failed {
-            None => Ok(()),
-            Some(e) => Err(TransportError(format!("memcpy copy thread failed: {e}"))),
-        }
+        tokio::task::spawn_blocking(move || run_moves(moves, threads, threshold, streaming))
+            .await
+            .map_err(|e| TransportError(format!("memcpy copy thread failed: {e}")))
     }
 
     /// Gathers the parts first: the copy threads split the whole batch by bytes.
