@@ -28,8 +28,9 @@ pub(super) const PART_MAX_BYTES: u64 = 256 << 20;
 type CopyFuture = Pin<Box<dyn Future<Output = Result<(), TransportError>> + Send>>;
 
 /// A copy started by [`start_copy`]: its future, polled once. Finish it with
-/// [`StartedCopy::wait`]; dropped unfinished (the planning panicked), it is spawned to run to
-/// completion, so the buffers and the registration it keeps outlive every byte in flight.
+/// [`StartedCopy::wait`]; dropped unfinished (the planning panicked, or the wait was
+/// cancelled), it is spawned to run to completion, so the buffers and the registration it
+/// keeps outlive every byte in flight.
 pub(super) struct StartedCopy {
     fut: Option<CopyFuture>,
     /// The first poll's result, when the transport finished (or failed) at once.
