@@ -339,9 +339,11 @@ pub fn run(
         tstats.max_request_blocks,
         opts.gpu_blocks
     );
-    // The server: in-process, or the one at --endpoint.
+    // The server: in-process, or the one at --endpoint. In-process, evict-ahead is off: it
+    // keeps up to one Save's worth of the pool free, at moments the exact LRU simulation of
+    // the whole capacity cannot model.
     let server = match &opts.endpoint {
-        None => Some(rt.block_on(InProcessServer::start(opts.capacity))?),
+        None => Some(rt.block_on(InProcessServer::start_with(opts.capacity, Some(0)))?),
         Some(_) => None,
     };
     let endpoint = match (&server, &opts.endpoint) {

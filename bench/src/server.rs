@@ -34,8 +34,29 @@ impl std::fmt::Debug for InProcessServer {
 impl InProcessServer {
     /// Starts the embedded default pipeline with a DRAM tier of `capacity_bytes`, gRPC and
     /// HTTP on ephemeral loopback ports and the fd side channel in a fresh temp dir. Must be
-    /// called inside a tokio runtime.
+    /// called inside a tokio runtime. `PF_BENCH_EVICT_AHEAD_PERCENT` (0–50), when set,
+    /// replaces `[store] evict_ahead_percent` (default 10), for an A/B of evict-ahead.
+    ///
+    /// # Errors
+    /// A bad `PF_BENCH_EVICT_AHEAD_PERCENT`, or the server cannot start.
     pub async fn start(capacity_bytes: u64) -> anyhow::Result<Self> {
+        let evict_ahead = match std::env::var("PF_BENCH_EVICT_AHEAD_PERCENT") {
+            Ok(v) => Some(
+                v.parse()
+                    .with_context(|| format!("PF_BENCH_EVICT_AHEAD_PERCENT={v:?} is not 0-50"))?,
+            ),
+            Err(_) => None,
+        };
+        Self::start_with(capacity_bytes, evict_ahead).await
+    }
+
+    /// [`InProcessServer::start`] with `[store] evict_ahead_percent` set to `evict_ahead`
+    /// (`None`: the default; `Some(0)`: off, so that the pool holds exactly what an LRU
+    /// cache of its capacity holds).
+    ///
+    /// # Errors
+    /// A percentage above 50, or the server cannot start.
+    pub async fn start_with(capacity_bytes: u64, evict_ahead: Option<u8>) -> anyhow::Result<Self> {
         let dir = tempfile::Builder::new()
             .prefix("pegaflow-replay-")
             .tempdir()
@@ -53,6 +74,10 @@ impl InProcessServer {
             .iter_mut()
             .find(|t| t.kind == "dram")
             .context("the embedded default pipeline has no dram tier")?;
+        if let Some(v) = evict_ahead {
+            p.store.evict_ahead_percent = v;
+            p.store.validate()?;
+        }
         let cap = i64::try_from(capacity_bytes).context("capacity too large")?;
         tier.settings
             .insert("capacity".into(), toml::Value::Integer(cap));

@@ -126,7 +126,10 @@ fn concurrent_clients_replay_byte_exact() {
 #[test]
 fn endpoint_mode_reads_the_socket_from_health() {
     let rt = runtime();
-    let server = rt.block_on(InProcessServer::start(400 * 4096)).unwrap();
+    // Evict-ahead off, as the LRU check asks of a server at --endpoint.
+    let server = rt
+        .block_on(InProcessServer::start_with(400 * 4096, Some(0)))
+        .unwrap();
     let t = head(300);
     let mut o = options(400 * 4096);
     o.endpoint = Some(server.endpoint());
@@ -152,4 +155,34 @@ fn time_scaled_replay_paces_requests() {
         r.wall_seconds
     );
     assert_eq!(r.lru_check.holds, Some(true));
+}
+
+/// With evict-ahead on (the server's default), eviction runs on its own thread while the
+/// replay saves and loads through gRPC: every loaded byte stays exact, and the Saves find
+/// their memory free instead of evicting for themselves.
+#[test]
+fn replay_with_evict_ahead_on_loads_every_byte_exact() {
+    let rt = runtime();
+    let server = rt
+        .block_on(InProcessServer::start_with(300 * 4096 + 512, Some(10)))
+        .unwrap();
+    let t = head(1500);
+    let mut o = options(300 * 4096 + 512);
+    o.endpoint = Some(server.endpoint());
+    let r = replay::run(&rt, &t, &o).unwrap();
+    assert!(r.verification.ok, "{}", r.table());
+    assert!(r.server.hit_blocks > 0 && r.server.loaded_blocks > 0);
+    let m = server.engine().metrics();
+    assert!(
+        m.cache_evictions_ahead.get() > 1_000,
+        "evict-ahead ran: {}",
+        m.cache_evictions_ahead.get()
+    );
+    assert!(
+        m.cache_evictions_ahead.get() > m.cache_evictions_inline.get(),
+        "ahead {} inline {}",
+        m.cache_evictions_ahead.get(),
+        m.cache_evictions_inline.get()
+    );
+    rt.block_on(server.shutdown());
 }

@@ -559,6 +559,7 @@ impl PipelineConfig {
             registrar_factory, tier_factory, transport_factory,
         };
         self.server.validate()?;
+        self.store.validate()?;
         validate_log_level(&self.server.log_level)?;
         self.grpc_addr()?;
         self.http_addr()?;
@@ -1308,6 +1309,7 @@ impl Cli {
             }
         }
         p.server.validate()?;
+        p.store.validate()?;
         validate_log_level(&p.server.log_level)?;
         Ok(p)
     }

@@ -51,6 +51,16 @@ pub struct Metrics {
     pub cache_eviction_reclaimed_bytes: IntCounter,
     /// Time from insertion to removal, by reason (`pressure`, `cleanup`).
     pub cache_residence_duration: HistogramVec,
+    /// Blocks evicted in the background to keep the evict-ahead reserve free (counted in
+    /// `cache_block_evictions` too).
+    pub cache_evictions_ahead: IntCounter,
+    /// Blocks an allocation evicted on its own path, because the free memory did not cover
+    /// it: evict-ahead off or behind, or a request larger than the reserve (counted in
+    /// `cache_block_evictions` too).
+    pub cache_evictions_inline: IntCounter,
+    /// Host bytes evict-ahead keeps free now: the recent largest allocation, capped at
+    /// `evict_ahead_percent` of the pool; 0 when off.
+    pub cache_evict_ahead_target_bytes: IntGauge,
     /// Bytes copied by Save.
     pub save_bytes: IntCounter,
     /// Save RPC copy duration.
@@ -393,6 +403,18 @@ impl Metrics {
                     24.0 * 3600.0
                 ]),
                 &["reason"]
+            )),
+            cache_evictions_ahead: reg!(c(
+                "pegaflow_cache_evictions_ahead_total",
+                "Blocks evicted in the background to keep the evict-ahead reserve free"
+            )),
+            cache_evictions_inline: reg!(c(
+                "pegaflow_cache_evictions_inline_total",
+                "Blocks an allocation evicted on its own path"
+            )),
+            cache_evict_ahead_target_bytes: reg!(g(
+                "pegaflow_cache_evict_ahead_target_bytes",
+                "Host bytes evict-ahead keeps free"
             )),
             save_bytes: reg!(c("pegaflow_save_bytes_total", "Bytes copied by Save")),
             save_duration: reg!(Histogram::with_opts(

@@ -95,9 +95,11 @@ struct Common {
         deterministic content), or Release the lease when the request does not load, then \
         Save the blocks after the hit prefix.\n\n\
         With no arguments it starts a server in-process (embedded default pipeline, DRAM tier \
-        of --capacity) and replays the whole shipped trace with one client. Its hit count must \
-        equal that of an exact offline LRU simulation of the same capacity, request by request; \
-        the run fails (exit 2) when it does not, and (exit 1) on any wrong byte.\n\n\
+        of --capacity, evict-ahead off) and replays the whole shipped trace with one client. \
+        Its hit count must equal that of an exact offline LRU simulation of the same capacity, \
+        request by request; the run fails (exit 2) when it does not, and (exit 1) on any wrong \
+        byte. A server at --endpoint passes that check only with `[store] evict_ahead_percent = \
+        0`: evict-ahead keeps up to one Save's worth of its pool free.\n\n\
         `pegaflow-replay sweep` runs the simulation over many capacities (and real replays at a \
         few) and writes a CSV and a PNG chart."
 )]

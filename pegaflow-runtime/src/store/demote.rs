@@ -137,6 +137,12 @@ impl Demoter {
         self.shared.work.notify_one();
     }
 
+    /// Footprint of the blocks queued or being written, in bytes: memory that is freed once
+    /// their writes end.
+    pub(super) fn pending_bytes(&self) -> u64 {
+        self.shared.state.lock().bytes
+    }
+
     /// A block queued or being written under `key`.
     pub(super) fn pending(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
         self.shared.state.lock().blocks.get(&key).cloned()

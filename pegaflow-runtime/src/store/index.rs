@@ -884,6 +884,25 @@ impl BlockIndex {
         max_blocks: usize,
         keys: bool,
     ) -> Vec<Evicted> {
+        self.evict_lru_between(min_bytes, u64::MAX, max_blocks, keys)
+    }
+
+    /// [`BlockIndex::evict_lru_batch_keyed`] that also never takes a block whose footprint
+    /// would bring the batch's sum above `max_bytes`: the walk stops at the first such block
+    /// (LRU order is kept; no younger, smaller block is taken in its place). With `min_bytes`
+    /// equal to `max_bytes` it frees at most that many bytes, and nothing when the oldest
+    /// evictable block alone is larger (evict-ahead's budget).
+    pub fn evict_lru_within(&self, max_bytes: u64, max_blocks: usize, keys: bool) -> Vec<Evicted> {
+        self.evict_lru_between(max_bytes, max_bytes, max_blocks, keys)
+    }
+
+    fn evict_lru_between(
+        &self,
+        min_bytes: u64,
+        max_bytes: u64,
+        max_blocks: usize,
+        keys: bool,
+    ) -> Vec<Evicted> {
         if max_blocks == 0 {
             return Vec::new();
         }
@@ -923,6 +942,9 @@ impl BlockIndex {
             }
             let g = &guards[si];
             let n = g.node(i);
+            if freed.saturating_add(n.block.footprint) > max_bytes {
+                break;
+            }
             freed += n.block.footprint;
             let newer = n.prev;
             victims.push((si, i));
@@ -1294,6 +1316,14 @@ mod tests {
         );
         assert_eq!(ix.resident_blocks(), 87);
         assert_eq!(ix.unwritten_bytes(), 87 / 2 * 2 + 2);
+        // Within a budget: 3 bytes take one 2-byte block and stop (the next would make 4).
+        let within = ix.evict_lru_within(3, 1000, true);
+        let got: Vec<u8> = within.iter().map(|e| e.key.hash[0]).collect();
+        assert_eq!(got, vec![13]);
+        assert!(
+            ix.evict_lru_within(1, 1000, true).is_empty(),
+            "a 2-byte block exceeds 1"
+        );
         ix.clear();
         assert_eq!(ix.resident_blocks(), 0);
         assert_eq!(ix.resident_bytes(), 0);
@@ -1324,6 +1354,7 @@ mod tests {
             Unhold(u8),
             Evict,
             EvictBatch(u8, u8),
+            EvictWithin(u8, u8),
             MarkWritten(u8),
         }
 
@@ -1337,6 +1368,7 @@ mod tests {
                 1 => k.clone().prop_map(Op::Unhold),
                 2 => Just(Op::Evict),
                 1 => (0u8..40, 1u8..6).prop_map(|(b, m)| Op::EvictBatch(b, m)),
+                1 => (0u8..12, 1u8..6).prop_map(|(b, m)| Op::EvictWithin(b, m)),
                 1 => k.prop_map(Op::MarkWritten),
             ]
         }
@@ -1429,6 +1461,27 @@ mod tests {
                             let mut freed = 0;
                             while freed < u64::from(bytes) && want.len() < usize::from(max) {
                                 let Some(p) = evictable(&m, &held) else { break };
+                                let e = m.lru.remove(p);
+                                freed += e.1;
+                                want.push(e.0);
+                            }
+                            prop_assert_eq!(got, want);
+                        }
+                        Op::EvictWithin(bytes, max) => {
+                            let got: Vec<u8> = ix
+                                .evict_lru_within(u64::from(bytes), usize::from(max), true)
+                                .into_iter()
+                                .map(|e| e.key.hash[0])
+                                .collect();
+                            // LRU order: the walk stops at the first block that would bring
+                            // the sum above the budget, even when a younger one would fit.
+                            let mut want = Vec::new();
+                            let mut freed = 0;
+                            while freed < u64::from(bytes) && want.len() < usize::from(max) {
+                                let Some(p) = evictable(&m, &held) else { break };
+                                if freed + m.lru[p].1 > u64::from(bytes) {
+                                    break;
+                                }
                                 let e = m.lru.remove(p);
                                 freed += e.1;
                                 want.push(e.0);

@@ -15,6 +15,7 @@
 //! make a re-poll start new I/O, answer `Loading` to a membership query, or index a promoted
 //! block before every byte of it has landed.
 
+mod ahead;
 mod demote;
 mod index;
 mod promote;
@@ -52,6 +53,16 @@ pub struct StoreConfig {
     /// DRAM), so that evicting them later frees memory at once. 0–100; default 75.
     #[serde(default = "default_write_behind_percent")]
     pub write_behind_percent: u8,
+    /// Evict-ahead: a background thread keeps free, ahead of the next Save, as many host bytes
+    /// as the largest recent allocation took (it decays by a sixteenth per allocation), up to
+    /// this percentage of the pool, by evicting least recently used unreferenced blocks, so
+    /// that a Save into a full pool does not evict on its own path. It never frees more than
+    /// that target: a block larger than the bytes still missing stays. The cache holds up to
+    /// that much less. 0 turns it off (every allocation evicts what it needs itself); 0–50;
+    /// default 10 (a bound for small pools: on a pool of tens of GiB the recent Saves, not the
+    /// percentage, set the target).
+    #[serde(default = "default_evict_ahead_percent")]
+    pub evict_ahead_percent: u8,
     /// How long a promotion may keep a query `Loading`, in milliseconds; then the query is
     /// answered Ready with what is resident.
     #[serde(default = "default_promote_deadline_ms")]
@@ -78,6 +89,9 @@ fn default_demote_batch_blocks() -> usize {
 fn default_write_behind_percent() -> u8 {
     75
 }
+fn default_evict_ahead_percent() -> u8 {
+    10
+}
 fn default_promote_deadline_ms() -> u64 {
     5_000
 }
@@ -97,11 +111,38 @@ impl Default for StoreConfig {
             demote_queue_bytes: default_demote_queue_bytes(),
             demote_batch_blocks: default_demote_batch_blocks(),
             write_behind_percent: default_write_behind_percent(),
+            evict_ahead_percent: default_evict_ahead_percent(),
             promote_deadline_ms: default_promote_deadline_ms(),
             lookup_timeout_ms: default_lookup_timeout_ms(),
             max_promotions: default_max_promotions(),
             max_promote_blocks: default_max_promote_blocks(),
         }
+    }
+}
+
+/// The largest `evict_ahead_percent`.
+pub const MAX_EVICT_AHEAD_PERCENT: u8 = 50;
+
+impl StoreConfig {
+    /// Checks the ranges.
+    ///
+    /// # Errors
+    /// `write_behind_percent` above 100, `evict_ahead_percent` above
+    /// [`MAX_EVICT_AHEAD_PERCENT`].
+    pub fn validate(&self) -> anyhow::Result<()> {
+        if self.write_behind_percent > 100 {
+            anyhow::bail!(
+                "[store] write_behind_percent is {}; it is a percentage of the pool, 0-100",
+                self.write_behind_percent
+            );
+        }
+        if self.evict_ahead_percent > MAX_EVICT_AHEAD_PERCENT {
+            anyhow::bail!(
+                "[store] evict_ahead_percent is {}; the most the pool may keep free ahead is {MAX_EVICT_AHEAD_PERCENT} (0 turns evict-ahead off)",
+                self.evict_ahead_percent
+            );
+        }
+        Ok(())
     }
 }
 
@@ -181,6 +222,9 @@ pub struct TierStack {
     metrics: Arc<Metrics>,
     events: IndexEvents,
     demoter: Option<demote::Demoter>,
+    /// The evict-ahead thread; `None` when `evict_ahead_percent` is 0 (or its thread could
+    /// not be created).
+    ahead: Option<ahead::EvictAhead>,
     promotions: promote::Promotions,
     /// The peer rung of the promotion ladder, installed once at start when the pipeline
     /// has a `[peer]` that fetches and a `[directory]` to find holders with.
@@ -212,7 +256,14 @@ impl TierStack {
         events: IndexEvents,
     ) -> Arc<Self> {
         let queue_cap = config.demote_queue_bytes.min(pool.capacity_bytes() / 4);
+        let ahead_cap = pool.capacity_bytes() / 100
+            * u64::from(config.evict_ahead_percent.min(MAX_EVICT_AHEAD_PERCENT));
         Arc::new_cyclic(|weak| Self {
+            // Parked until the first allocation wakes it, so it never sees the stack before
+            // it is built.
+            ahead: (ahead_cap > 0)
+                .then(|| ahead::EvictAhead::start_or_warn(weak.clone(), ahead_cap))
+                .flatten(),
             demoter: lower.first().map(|t| {
                 demote::Demoter::start(
                     weak.clone(),
@@ -468,6 +519,19 @@ impl TierStack {
             .iter()
             .map(|&l| self.pool.footprint_bytes(l))
             .fold(0u64, |a, b| a.saturating_add(b));
+        let out = self.allocate_evicting(lens, need);
+        if let Some(a) = &self.ahead {
+            a.note_allocation(need);
+            if out.is_ok() && self.pool.free_bytes() < a.target() {
+                a.wake();
+            }
+        }
+        out
+    }
+
+    /// [`TierStack::allocate`] of `need` footprint bytes, evicting on the caller's path what
+    /// the free memory does not cover.
+    fn allocate_evicting(&self, lens: &[usize], need: u64) -> EngineResult<Vec<HostBuffer>> {
         let cap = self.pool.capacity_bytes();
         if need > cap {
             self.metrics.pool_alloc_failures.inc();
@@ -495,19 +559,10 @@ impl TierStack {
                     break;
                 }
                 evicted += batch.len() as u64;
-                self.note_evictions(&batch, "pressure", keys);
-                let before = self.pool.used_bytes();
-                {
-                    // The dropped blocks' memory goes back together (without a lower tier a
-                    // batch holds up to 256 blocks: the DRAM pool takes each shard's lock once
-                    // for them, not once per block), before the free bytes are read again.
-                    let _batch = ReleaseBatch::open();
-                    for e in batch {
-                        self.demote(e);
-                    }
-                }
-                let freed = before.saturating_sub(self.pool.used_bytes());
-                self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
+                self.metrics
+                    .cache_evictions_inline
+                    .inc_by(batch.len() as u64);
+                self.release_evicted(batch, keys);
                 if self.pool.free_bytes() >= need {
                     break;
                 }
@@ -527,6 +582,55 @@ impl TierStack {
                     self.pool.free_bytes()
                 )));
             }
+        }
+    }
+
+    /// Counts a batch of pressure evictions, then demotes or drops its blocks.
+    fn release_evicted(&self, batch: Vec<Evicted>, keys: bool) {
+        self.note_evictions(&batch, "pressure", keys);
+        let before = self.pool.used_bytes();
+        {
+            // The dropped blocks' memory goes back together (a batch holds up to 256 blocks:
+            // the DRAM pool takes each shard's lock once for them, not once per block), before
+            // the free bytes are read again.
+            let _batch = ReleaseBatch::open();
+            for e in batch {
+                self.demote(e);
+            }
+        }
+        // Approximate under concurrent allocations (they move the used bytes too).
+        let freed = before.saturating_sub(self.pool.used_bytes());
+        self.metrics.cache_eviction_reclaimed_bytes.inc_by(freed);
+    }
+
+    /// One evict-ahead round (on its thread): evicts least recently used unreferenced blocks,
+    /// [`ahead::AHEAD_BATCH`] at a time, until the free bytes plus those waiting in the
+    /// demotion queue reach the target, never freeing more than the target asks.
+    fn evict_ahead_round(&self) {
+        let Some(a) = &self.ahead else {
+            return;
+        };
+        let target = a.target();
+        self.metrics
+            .cache_evict_ahead_target_bytes
+            .set(i64::try_from(target).unwrap_or(i64::MAX));
+        let keys = self.demoter.is_some() || self.events.tx.receiver_count() > 0;
+        loop {
+            let pending = self.demoter.as_ref().map_or(0, |d| d.pending_bytes());
+            let have = self.pool.free_bytes().saturating_add(pending);
+            if have >= target {
+                return;
+            }
+            let batch = self
+                .index
+                .evict_lru_within(target - have, ahead::AHEAD_BATCH, keys);
+            if batch.is_empty() {
+                return;
+            }
+            self.metrics
+                .cache_evictions_ahead
+                .inc_by(batch.len() as u64);
+            self.release_evicted(batch, keys);
         }
     }
 
@@ -927,5 +1031,216 @@ mod tests {
                 .get(),
             0
         );
+    }
+
+    fn key_n(i: u32) -> BlockKey {
+        BlockKey {
+            namespace: "ns".into(),
+            group: 0,
+            hash: i.to_le_bytes().to_vec().into(),
+        }
+    }
+
+    /// One "Save": `n` blocks of `len` bytes allocated together, then sealed with keys from
+    /// `first` on; returns the sealed blocks (the caller may hold them, as a lease does).
+    fn save_n(stack: &TierStack, first: u32, n: u32, len: usize) -> Vec<Arc<SealedBlock>> {
+        let bufs = stack.allocate(&vec![len; n as usize]).expect("allocates");
+        bufs.into_iter()
+            .zip(first..)
+            .map(|(buf, i)| {
+                let fp = buf.len() as u64;
+                let shape = BlockShape::new(vec![len as u64]);
+                let block = Arc::new(SealedBlock::from_buffer(0, &shape, Arc::new(buf), fp));
+                assert!(stack.insert_sealed(key_n(i), block.clone()));
+                block
+            })
+            .collect()
+    }
+
+    fn dram_only(cap: u64, percent: u8, metrics: &Arc<Metrics>) -> Arc<TierStack> {
+        TierStack::new(
+            HeapPool::new(cap),
+            Vec::new(),
+            StoreConfig {
+                evict_ahead_percent: percent,
+                ..StoreConfig::default()
+            },
+            metrics.clone(),
+            IndexEvents::default(),
+        )
+    }
+
+    fn wait_for(what: &str, mut f: impl FnMut() -> bool) {
+        let t0 = std::time::Instant::now();
+        while !f() {
+            assert!(
+                t0.elapsed() < std::time::Duration::from_secs(10),
+                "timed out waiting for {what}"
+            );
+            std::thread::sleep(std::time::Duration::from_millis(2));
+        }
+    }
+
+    /// Once the pool is full, the evict-ahead thread frees one Save's worth of the oldest
+    /// blocks, exactly (never more), so the next Save evicts nothing on its own path.
+    #[test]
+    fn evict_ahead_frees_one_save_of_the_oldest_blocks_before_the_next_save() {
+        let metrics = Arc::new(Metrics::new());
+        // 1 MiB pool, 5 % cap = 52,425 bytes; Saves of 16 blocks of 1 KiB = 16 KiB.
+        let stack = dram_only(1 << 20, 5, &metrics);
+        for s in 0..64u32 {
+            save_n(&stack, s * 16, 16, 1024);
+        }
+        wait_for("the reserve", || stack.pool.free_bytes() >= 16 << 10);
+        // The thread has nothing left to do: it stops at the target, to the byte.
+        stack.evict_ahead_round();
+        assert_eq!(
+            stack.pool.free_bytes(),
+            16 << 10,
+            "exactly one Save's worth"
+        );
+        assert_eq!(metrics.cache_evictions_ahead.get(), 16);
+        assert_eq!(metrics.cache_evict_ahead_target_bytes.get(), 16 << 10);
+        assert_eq!(metrics.cache_block_evictions.get(), 16);
+        for i in 0..16 {
+            assert!(
+                !stack.index.contains(key_n(i).as_ref()),
+                "block {i} was oldest"
+            );
+        }
+        assert!(stack.index.contains(key_n(16).as_ref()));
+        // The next Save fits in the reserve: no eviction on its path.
+        save_n(&stack, 1024, 16, 1024);
+        assert_eq!(metrics.cache_evictions_inline.get(), 0);
+        // And the thread frees the next Save's worth after it.
+        wait_for("the next reserve", || stack.pool.free_bytes() >= 16 << 10);
+        assert_eq!(metrics.cache_evictions_inline.get(), 0);
+        assert!(!stack.index.contains(key_n(31).as_ref()));
+        assert!(stack.index.contains(key_n(32).as_ref()));
+    }
+
+    /// Evict-ahead skips referenced blocks (as a lease holds them) and never frees more than
+    /// its target: a block larger than the bytes still missing stays resident.
+    #[test]
+    fn evict_ahead_skips_referenced_blocks_and_never_overshoots() {
+        let metrics = Arc::new(Metrics::new());
+        let stack = dram_only(1 << 20, 5, &metrics);
+        // The oldest Save is held.
+        let held = save_n(&stack, 0, 16, 1024);
+        for s in 1..64u32 {
+            save_n(&stack, s * 16, 16, 1024);
+        }
+        wait_for("the reserve", || stack.pool.free_bytes() >= 16 << 10);
+        for i in 0..16 {
+            assert!(
+                stack.index.contains(key_n(i).as_ref()),
+                "held block {i} stays"
+            );
+        }
+        for i in 16..32 {
+            assert!(!stack.index.contains(key_n(i).as_ref()), "block {i} goes");
+        }
+        drop(held);
+
+        // Target capped at 5 % of the pool (52,425 bytes: whole percents of whole hundredths) while the oldest block is 64 KiB:
+        // nothing is evicted ahead, and the next Save evicts for itself.
+        let metrics = Arc::new(Metrics::new());
+        let stack = dram_only(1 << 20, 5, &metrics);
+        for i in 0..16u32 {
+            save_n(&stack, i, 1, 64 << 10);
+        }
+        assert_eq!(stack.pool.free_bytes(), 0);
+        stack.evict_ahead_round();
+        assert_eq!(metrics.cache_evict_ahead_target_bytes.get(), 52_425);
+        assert_eq!(metrics.cache_evictions_ahead.get(), 0);
+        assert_eq!(stack.index.resident_blocks(), 16);
+        save_n(&stack, 16, 1, 64 << 10);
+        assert_eq!(metrics.cache_evictions_inline.get(), 1);
+    }
+
+    /// `evict_ahead_percent = 0`: no thread; a Save into a full pool evicts on its own path.
+    #[test]
+    fn evict_ahead_off_evicts_on_the_save_path() {
+        let metrics = Arc::new(Metrics::new());
+        let stack = dram_only(1 << 20, 0, &metrics);
+        assert!(stack.ahead.is_none());
+        for s in 0..65u32 {
+            save_n(&stack, s * 16, 16, 1024);
+        }
+        assert_eq!(metrics.cache_evictions_inline.get(), 16);
+        assert_eq!(metrics.cache_evictions_ahead.get(), 0);
+        assert_eq!(stack.pool.free_bytes(), 0, "nothing is kept free");
+    }
+
+    /// With a lower tier, blocks evicted ahead are demoted like any evicted block, and the
+    /// bytes waiting in the demotion queue count as free: the thread does not evict more
+    /// while their writes are stuck.
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn evict_ahead_counts_the_demotion_queue_as_free() {
+        let tier = Arc::new(GatedTier::default());
+        let metrics = Arc::new(Metrics::new());
+        let stack = TierStack::new(
+            HeapPool::new(1 << 20),
+            vec![tier.clone() as Arc<dyn Tier>],
+            StoreConfig {
+                write_behind_percent: 100,
+                ..StoreConfig::default()
+            },
+            metrics.clone(),
+            IndexEvents::default(),
+        );
+        for s in 0..64u32 {
+            save_n(&stack, s * 16, 16, 1024);
+        }
+        wait_for("the reserve", || {
+            metrics.cache_evictions_ahead.get() >= 16
+                && stack.demoter.as_ref().unwrap().pending_bytes() + stack.pool.free_bytes()
+                    >= 16 << 10
+        });
+        stack.evict_ahead_round();
+        assert_eq!(
+            metrics.cache_evictions_ahead.get(),
+            16,
+            "no more while writes are stuck"
+        );
+        let d = stack.demoter.as_ref().unwrap();
+        for i in 0..16 {
+            assert!(
+                d.pending(key_n(i).as_ref()).is_some(),
+                "block {i} waits for its write"
+            );
+        }
+        tier.open.add_permits(1000);
+        stack.flush().await;
+        let stored = tier.stored.lock().clone();
+        assert!((0..16).all(|i| stored.contains(&key_n(i))), "{stored:?}");
+    }
+
+    #[test]
+    fn store_settings_are_range_checked() {
+        let ok = StoreConfig {
+            evict_ahead_percent: MAX_EVICT_AHEAD_PERCENT,
+            ..StoreConfig::default()
+        };
+        ok.validate().expect("50 is allowed");
+        let e = StoreConfig {
+            evict_ahead_percent: 51,
+            ..StoreConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("evict_ahead_percent is 51"), "{e}");
+        let e = StoreConfig {
+            write_behind_percent: 101,
+            ..StoreConfig::default()
+        }
+        .validate()
+        .unwrap_err()
+        .to_string();
+        assert!(e.contains("write_behind_percent is 101"), "{e}");
+        let c: StoreConfig = toml::from_str("evict_ahead_percent = 10").unwrap();
+        assert_eq!(c.evict_ahead_percent, 10);
+        assert_eq!(StoreConfig::default().evict_ahead_percent, 10);
     }
 }
