@@ -69,6 +69,13 @@ impl EvictAhead {
     /// (the server then runs without it: every Save into a full pool evicts on its own path).
     pub(super) fn start_or_warn(stack: Weak<TierStack>, cap: u64) -> Option<Self> {
         Self::start(stack, cap)
+            .inspect(|_| {
+                tracing::info!(
+                    max_free_bytes = cap,
+                    "evict-ahead on: a thread keeps the largest recent Save's bytes free, up to \
+                     max_free_bytes ([store] evict_ahead_percent of the pool)"
+                );
+            })
             .inspect_err(|e| {
                 tracing::warn!(
                     error = %e,
