@@ -468,8 +468,10 @@ async fn a_foreign_numa_topology_causes_no_eviction_storm() {
     let mut oa = o.clone();
     oa.peer = Some("numa_node = 7".into());
     let a = Node::start(&env.bin, "source", &oa);
-    // Room for exactly 16 + 16 blocks of 16 KiB (plus the pool's rounding slack).
+    // Room for exactly 16 + 16 blocks of 16 KiB (plus the pool's rounding slack), and no
+    // evict-ahead reserve: any eviction below is the fetch's.
     o.pool_bytes = 32 * 16 * 1024 + 64 * 1024;
+    o.evict_ahead_percent = 0;
     let b = Node::start(&env.bin, "requester", &o);
     let mut wa = worker(&a, "inst-a", SMALL).await;
     let mut wb = worker(&b, "inst-b", SMALL).await;

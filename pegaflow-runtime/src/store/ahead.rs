@@ -42,6 +42,8 @@ struct Shared {
 pub(super) struct EvictAhead {
     shared: Arc<Shared>,
     thread: std::thread::Thread,
+    /// Taken by [`EvictAhead::join`].
+    handle: parking_lot::Mutex<Option<std::thread::JoinHandle<()>>>,
     /// `evict_ahead_percent` of the pool, in bytes.
     cap: u64,
 }
@@ -61,6 +63,7 @@ impl EvictAhead {
         Ok(Self {
             shared,
             thread: handle.thread().clone(),
+            handle: parking_lot::Mutex::new(Some(handle)),
             cap,
         })
     }
@@ -111,10 +114,45 @@ impl EvictAhead {
     }
 }
 
-impl Drop for EvictAhead {
-    fn drop(&mut self) {
+impl EvictAhead {
+    /// Asks the thread to exit: it evicts nothing more once it sees this (a round checks
+    /// between batches).
+    pub(super) fn stop(&self) {
         self.shared.stop.store(true, Ordering::Release);
         self.thread.unpark();
+    }
+
+    /// Whether the thread has exited (after [`EvictAhead::join`], or on its own).
+    #[cfg(test)]
+    pub(super) fn exited(&self) -> bool {
+        self.handle.lock().as_ref().is_none_or(|h| h.is_finished())
+    }
+
+    /// Whether [`EvictAhead::stop`] was called.
+    pub(super) fn stopped(&self) -> bool {
+        self.shared.stop.load(Ordering::Acquire)
+    }
+
+    /// Waits for the thread to exit after [`EvictAhead::stop`] (at most one batch of
+    /// evictions), polling without blocking the executor.
+    pub(super) async fn join(&self) {
+        let Some(h) = self.handle.lock().take() else {
+            return;
+        };
+        while !h.is_finished() {
+            tokio::time::sleep(std::time::Duration::from_millis(1)).await;
+        }
+        if h.join().is_err() {
+            tracing::error!("the evict-ahead thread panicked");
+        }
+    }
+}
+
+impl Drop for EvictAhead {
+    /// Stops the thread without waiting: the last reference to the stack may be dropped on
+    /// the thread itself.
+    fn drop(&mut self) {
+        self.stop();
     }
 }
 

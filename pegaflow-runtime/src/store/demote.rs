@@ -97,15 +97,17 @@ impl Demoter {
 
     /// Queues an evicted block. When its footprint does not fit, the oldest queued blocks
     /// are shed first; when it still does not fit (the rest is being written, or the block
-    /// alone exceeds the bound), this block is dropped.
-    pub(super) fn enqueue(&self, key: BlockKey, block: Arc<SealedBlock>) {
+    /// alone exceeds the bound), this block is dropped. Returns the footprint bytes dropped
+    /// here (shed blocks, this block when it is not queued): memory freed now rather than
+    /// once a write ends.
+    pub(super) fn enqueue(&self, key: BlockKey, block: Arc<SealedBlock>) -> u64 {
         let fp = block.footprint;
         let mut shed = Vec::new();
         let mut dropped = false;
         {
             let mut st = self.shared.state.lock();
             if st.stopped || st.blocks.contains_key(&key) {
-                return;
+                return fp;
             }
             while st.bytes + fp > self.shared.cap_bytes {
                 let Some(old) = st.queue.pop_front() else {
@@ -130,6 +132,7 @@ impl Demoter {
             self.count("dropped_queue_full", n);
         }
         self.shared.work.notify_one();
+        shed.iter().map(|b| b.footprint).sum::<u64>() + if dropped { fp } else { 0 }
     }
 
     /// Wakes the worker (after a seal: write-behind may have work).
@@ -320,17 +323,8 @@ async fn write_behind(sh: &Shared) -> bool {
     if excess == 0 {
         return false;
     }
-    let mut cands = stack.index.oldest_unwritten(0, sh.batch);
-    let mut sum = 0u64;
-    let mut take = 0;
-    for (_, b) in &cands {
-        if sum >= excess {
-            break;
-        }
-        sum += b.footprint;
-        take += 1;
-    }
-    cands.truncate(take);
+    // Only the blocks that cover the excess are referenced while their write runs.
+    let cands = stack.index.oldest_unwritten_covering(0, sh.batch, excess);
     if cands.is_empty() {
         return false;
     }

@@ -1018,23 +1018,65 @@ impl BlockIndex {
     /// The least recently used resident blocks of storage group `group` not yet written
     /// below DRAM, oldest first, at most `max` of them (write-behind candidates).
     pub fn oldest_unwritten(&self, group: u32, max: usize) -> Vec<(BlockKey, Arc<SealedBlock>)> {
-        let mut cands: Vec<(u64, BlockKey, Arc<SealedBlock>)> = Vec::new();
-        for sh in &self.shards {
+        self.oldest_unwritten_covering(group, max, u64::MAX)
+    }
+
+    /// [`BlockIndex::oldest_unwritten`] that stops once the blocks taken reach `min_bytes` of
+    /// footprint (the block that crosses it included). Only the blocks returned are
+    /// referenced: the candidates are chosen by stamp and slot first, so that a concurrent
+    /// eviction never finds the other old blocks held (it would skip them and evict younger
+    /// ones). A chosen block evicted between the two looks is left out.
+    pub fn oldest_unwritten_covering(
+        &self,
+        group: u32,
+        max: usize,
+        min_bytes: u64,
+    ) -> Vec<(BlockKey, Arc<SealedBlock>)> {
+        // (stamp, shard, slot, footprint) of each shard's oldest `max`.
+        let mut cands: Vec<(u64, usize, u32, u64)> = Vec::new();
+        for (si, sh) in self.shards.iter().enumerate() {
             let s = sh.lock();
             let mut taken = 0;
             let mut i = s.utail;
             while i != NIL && taken < max {
                 let n = s.node(i);
                 if n.group == group {
-                    cands.push((n.stamp, n.key(), n.block.clone()));
+                    cands.push((n.stamp, si, i, n.block.footprint));
                     taken += 1;
                 }
                 i = n.uprev;
             }
         }
         cands.sort_unstable_by_key(|c| c.0);
-        cands.truncate(max);
-        cands.into_iter().map(|(_, k, b)| (k, b)).collect()
+        let mut sum = 0u64;
+        let mut take = 0;
+        for c in cands.iter().take(max) {
+            if sum >= min_bytes {
+                break;
+            }
+            sum = sum.saturating_add(c.3);
+            take += 1;
+        }
+        cands.truncate(take);
+        // Referenced now, shard by shard, in stamp order within each; then oldest first.
+        let mut order: Vec<usize> = (0..cands.len()).collect();
+        order.sort_unstable_by_key(|&k| cands[k].1);
+        let mut out: Vec<Option<(BlockKey, Arc<SealedBlock>)>> = vec![None; cands.len()];
+        let mut k = 0;
+        while k < order.len() {
+            let si = cands[order[k]].1;
+            let s = self.shards[si].lock();
+            while k < order.len() && cands[order[k]].1 == si {
+                let (stamp, _, slot, _) = cands[order[k]];
+                if let Some(n) = s.nodes.get(slot as usize).and_then(Option::as_ref) {
+                    if n.stamp == stamp && n.group == group && !n.written_below {
+                        out[order[k]] = Some((n.key(), n.block.clone()));
+                    }
+                }
+                k += 1;
+            }
+        }
+        out.into_iter().flatten().collect()
     }
 
     /// Records that a lower tier holds `key` now (or refused it for good); false when the key
@@ -1173,6 +1215,29 @@ mod tests {
             hash: &[1]
         }));
         drop(held);
+    }
+
+    /// The write-behind candidates that cover a byte count: only those are referenced, so
+    /// an eviction at the same moment still takes the oldest of the others.
+    #[test]
+    fn oldest_unwritten_covering_references_only_what_it_returns() {
+        let ix = BlockIndex::new();
+        for h in 0..40 {
+            assert!(ix.insert(key("a", h), block(10)));
+        }
+        let got = ix.oldest_unwritten_covering(0, 64, 25);
+        let order: Vec<u8> = got.iter().map(|(k, _)| k.hash[0]).collect();
+        assert_eq!(order, vec![0, 1, 2], "until 25 bytes are covered");
+        // Held as a write holds them: the next oldest are still evictable, in order.
+        let next: Vec<u8> = ix
+            .evict_lru_batch(20, 100)
+            .into_iter()
+            .map(|e| e.key.hash[0])
+            .collect();
+        assert_eq!(next, vec![3, 4]);
+        drop(got);
+        assert_eq!(ix.oldest_unwritten_covering(0, 2, u64::MAX).len(), 2);
+        assert_eq!(ix.oldest_unwritten_covering(0, 64, 0).len(), 0);
     }
 
     #[test]

@@ -57,6 +57,9 @@ pub struct NodeOpts {
     pub peer: Option<String>,
     /// `[store] promote_deadline_ms`.
     pub promote_deadline_ms: u64,
+    /// `[store] evict_ahead_percent` (the server's default, 10, unless a test asserts that
+    /// nothing is evicted and wants no reserve kept free either).
+    pub evict_ahead_percent: u8,
     /// The IP the server binds and advertises.
     pub ip: String,
     /// Run inside this network namespace (`ip netns exec`).
@@ -73,6 +76,7 @@ impl Default for NodeOpts {
             stale_after_secs: 30,
             peer: Some(String::new()),
             promote_deadline_ms: 4000,
+            evict_ahead_percent: 10,
             ip: "127.0.0.1".into(),
             netns: None,
             extra_toml: String::new(),
@@ -129,10 +133,11 @@ impl Node {
         let socket = dir.path().join("fd.sock");
         let (grpc, http) = (free_port(), free_port());
         let mut toml = format!(
-            "[server]\naddr = \"{ip}:{grpc}\"\nhttp_addr = \"{ip}:{http}\"\nenable_prometheus = true\nlog_level = \"warn\"\n\n[fd_channel]\npath = \"{sock}\"\n\n[store]\npromote_deadline_ms = {pd}\n\n[[tier]]\nkind = \"dram\"\ncapacity = {pool}\n\n[[registrar]]\nkind = \"host-memfd\"\n\n[[transport]]\nkind = \"memcpy\"\n",
+            "[server]\naddr = \"{ip}:{grpc}\"\nhttp_addr = \"{ip}:{http}\"\nenable_prometheus = true\nlog_level = \"warn\"\n\n[fd_channel]\npath = \"{sock}\"\n\n[store]\npromote_deadline_ms = {pd}\nevict_ahead_percent = {ea}\n\n[[tier]]\nkind = \"dram\"\ncapacity = {pool}\n\n[[registrar]]\nkind = \"host-memfd\"\n\n[[transport]]\nkind = \"memcpy\"\n",
             ip = o.ip,
             sock = socket.display(),
             pd = o.promote_deadline_ms,
+            ea = o.evict_ahead_percent,
             pool = o.pool_bytes,
         );
         if let Some((url, prefix)) = &o.directory {
