@@ -1097,17 +1097,23 @@ mod tests {
         }
     }
 
-    /// Once the pool is full, the evict-ahead thread frees one Save's worth of the oldest
-    /// blocks, exactly (never more), so the next Save evicts nothing on its own path.
-    #[test]
-    fn evict_ahead_frees_one_save_of_the_oldest_blocks_before_the_next_save() {
+    /// A 1 MiB DRAM-only stack (evict-ahead capped at 5 % = 52,425 bytes) filled by 64 Saves
+    /// of 16 blocks of 1 KiB, once the thread has freed its reserve (one Save, 16 KiB).
+    fn full_with_reserve() -> (Arc<Metrics>, Arc<TierStack>) {
         let metrics = Arc::new(Metrics::new());
-        // 1 MiB pool, 5 % cap = 52,425 bytes; Saves of 16 blocks of 1 KiB = 16 KiB.
         let stack = dram_only(1 << 20, 5, &metrics);
         for s in 0..64u32 {
             save_n(&stack, s * 16, 16, 1024);
         }
         wait_for("the reserve", || stack.pool.free_bytes() >= 16 << 10);
+        (metrics, stack)
+    }
+
+    /// Once the pool is full, the evict-ahead thread frees one Save's worth of the oldest
+    /// blocks, exactly (never more), so the next Save evicts nothing on its own path.
+    #[test]
+    fn evict_ahead_frees_one_save_of_the_oldest_blocks_before_the_next_save() {
+        let (metrics, stack) = full_with_reserve();
         // The thread has nothing left to do: it stops at the target, to the byte.
         stack.evict_ahead_round();
         assert_eq!(
@@ -1183,12 +1189,7 @@ mod tests {
     /// set it: the thread does not free its whole cap for a request that never landed.
     #[test]
     fn a_refused_allocation_does_not_raise_the_reserve() {
-        let metrics = Arc::new(Metrics::new());
-        let stack = dram_only(1 << 20, 5, &metrics);
-        for s in 0..64u32 {
-            save_n(&stack, s * 16, 16, 1024);
-        }
-        wait_for("the reserve", || stack.pool.free_bytes() >= 16 << 10);
+        let (metrics, stack) = full_with_reserve();
         assert!(stack.allocate(&[2 << 20]).is_err(), "larger than the pool");
         stack.evict_ahead_round();
         assert_eq!(metrics.cache_evict_ahead_target_bytes.get(), 16 << 10);
@@ -1200,12 +1201,7 @@ mod tests {
     /// path and nothing is evicted ahead any more.
     #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
     async fn stop_and_join_ends_the_evict_ahead_thread() {
-        let metrics = Arc::new(Metrics::new());
-        let stack = dram_only(1 << 20, 5, &metrics);
-        for s in 0..64u32 {
-            save_n(&stack, s * 16, 16, 1024);
-        }
-        wait_for("the reserve", || stack.pool.free_bytes() >= 16 << 10);
+        let (metrics, stack) = full_with_reserve();
         tokio::time::timeout(std::time::Duration::from_secs(10), stack.stop_and_join())
             .await
             .expect("the thread exits");
