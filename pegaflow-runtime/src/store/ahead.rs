@@ -75,8 +75,8 @@ impl EvictAhead {
             .inspect(|_| {
                 tracing::info!(
                     max_free_bytes = cap,
-                    "evict-ahead on: a thread keeps the largest recent Save's bytes free, up to \
-                     max_free_bytes ([store] evict_ahead_percent of the pool)"
+                    "evict-ahead on: a thread keeps the largest recent allocation's bytes free, \
+                     up to max_free_bytes ([store] evict_ahead_percent of the pool)"
                 );
             })
             .inspect_err(|e| {
@@ -112,9 +112,7 @@ impl EvictAhead {
             self.thread.unpark();
         }
     }
-}
 
-impl EvictAhead {
     /// Asks the thread to exit: it evicts nothing more once it sees this (a round checks
     /// between batches).
     pub(super) fn stop(&self) {

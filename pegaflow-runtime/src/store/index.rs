@@ -1058,25 +1058,17 @@ impl BlockIndex {
             take += 1;
         }
         cands.truncate(take);
-        // Referenced now, shard by shard, in stamp order within each; then oldest first.
-        let mut order: Vec<usize> = (0..cands.len()).collect();
-        order.sort_unstable_by_key(|&k| cands[k].1);
-        let mut out: Vec<Option<(BlockKey, Arc<SealedBlock>)>> = vec![None; cands.len()];
-        let mut k = 0;
-        while k < order.len() {
-            let si = cands[order[k]].1;
-            let s = self.shards[si].lock();
-            while k < order.len() && cands[order[k]].1 == si {
-                let (stamp, _, slot, _) = cands[order[k]];
-                if let Some(n) = s.nodes.get(slot as usize).and_then(Option::as_ref) {
-                    if n.stamp == stamp && n.group == group && !n.written_below {
-                        out[order[k]] = Some((n.key(), n.block.clone()));
-                    }
-                }
-                k += 1;
-            }
-        }
-        out.into_iter().flatten().collect()
+        // Referenced now, one shard lock per chosen block (at most `max`, write-behind's
+        // batch: not a hot path).
+        cands
+            .into_iter()
+            .filter_map(|(stamp, si, slot, _)| {
+                let s = self.shards[si].lock();
+                let n = s.nodes.get(slot as usize)?.as_ref()?;
+                (n.stamp == stamp && n.group == group && !n.written_below)
+                    .then(|| (n.key(), n.block.clone()))
+            })
+            .collect()
     }
 
     /// Records that a lower tier holds `key` now (or refused it for good); false when the key
@@ -1474,6 +1466,23 @@ mod tests {
                 let evictable = |m: &Model, held: &Held| {
                     m.lru.iter().position(|e| !held.contains_key(&e.0))
                 };
+                // The model's batch eviction: oldest unheld first until `min_bytes` are freed
+                // or `max` taken; the walk stops at the first block that would bring the sum
+                // above `max_bytes`, even when a younger one would fit (LRU order).
+                let evict_model = |m: &mut Model, held: &Held, min_bytes: u64, max_bytes: u64, max: usize| {
+                    let mut want = Vec::new();
+                    let mut freed = 0;
+                    while freed < min_bytes && want.len() < max {
+                        let Some(p) = evictable(m, held) else { break };
+                        if freed + m.lru[p].1 > max_bytes {
+                            break;
+                        }
+                        let e = m.lru.remove(p);
+                        freed += e.1;
+                        want.push(e.0);
+                    }
+                    want
+                };
                 for o in ops {
                     match o {
                         Op::Insert(k, w) => {
@@ -1522,14 +1531,8 @@ mod tests {
                                 .into_iter()
                                 .map(|e| e.key.hash[0])
                                 .collect();
-                            let mut want = Vec::new();
-                            let mut freed = 0;
-                            while freed < u64::from(bytes) && want.len() < usize::from(max) {
-                                let Some(p) = evictable(&m, &held) else { break };
-                                let e = m.lru.remove(p);
-                                freed += e.1;
-                                want.push(e.0);
-                            }
+                            let want =
+                                evict_model(&mut m, &held, u64::from(bytes), u64::MAX, usize::from(max));
                             prop_assert_eq!(got, want);
                         }
                         Op::EvictWithin(bytes, max) => {
@@ -1538,19 +1541,8 @@ mod tests {
                                 .into_iter()
                                 .map(|e| e.key.hash[0])
                                 .collect();
-                            // LRU order: the walk stops at the first block that would bring
-                            // the sum above the budget, even when a younger one would fit.
-                            let mut want = Vec::new();
-                            let mut freed = 0;
-                            while freed < u64::from(bytes) && want.len() < usize::from(max) {
-                                let Some(p) = evictable(&m, &held) else { break };
-                                if freed + m.lru[p].1 > u64::from(bytes) {
-                                    break;
-                                }
-                                let e = m.lru.remove(p);
-                                freed += e.1;
-                                want.push(e.0);
-                            }
+                            let b = u64::from(bytes);
+                            let want = evict_model(&mut m, &held, b, b, usize::from(max));
                             prop_assert_eq!(got, want);
                         }
                         Op::MarkWritten(k) => {
