@@ -30,6 +30,7 @@ fn options(capacity: u64) -> ReplayOptions {
         endpoint: None,
         metrics_addr: None,
         progress: false,
+        evict_ahead_percent: 0,
     }
 }
 
@@ -185,4 +186,28 @@ fn replay_with_evict_ahead_on_loads_every_byte_exact() {
         m.cache_evictions_inline.get()
     );
     rt.block_on(server.shutdown());
+}
+
+/// `--evict-ahead-percent` on the in-process server: the replay still checks every byte, and
+/// reports its hit count next to the simulation's instead of failing on the difference
+/// (evict-ahead frees blocks before the simulation would).
+#[test]
+fn in_process_evict_ahead_is_reported_not_checked() {
+    let rt = runtime();
+    let t = head(600);
+    let mut o = options(200 * 4096);
+    o.evict_ahead_percent = 10;
+    let r = replay::run(&rt, &t, &o).unwrap();
+    assert!(r.verification.ok, "{}", r.table());
+    assert!(r.server.loaded_blocks > 0);
+    assert_eq!(r.lru_check.holds, None, "{}", r.table());
+    assert!(
+        r.lru_check
+            .notes
+            .iter()
+            .any(|n| n.contains("evict-ahead at 10 %")),
+        "{:?}",
+        r.lru_check.notes
+    );
+    assert!(r.passed());
 }

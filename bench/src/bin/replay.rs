@@ -95,7 +95,7 @@ struct Common {
         deterministic content), or Release the lease when the request does not load, then \
         Save the blocks after the hit prefix.\n\n\
         With no arguments it starts a server in-process (embedded default pipeline, DRAM tier \
-        of --capacity, evict-ahead off) and replays the whole shipped trace with one client. \
+        of --capacity, evict-ahead off unless --evict-ahead-percent) and replays the whole shipped trace with one client. \
         Its hit count must equal that of an exact offline LRU simulation of the same capacity, \
         request by request; the run fails (exit 2) when it does not, and (exit 1) on any wrong \
         byte. A server at --endpoint passes that check only with `[store] evict_ahead_percent = \
@@ -118,6 +118,11 @@ struct Cli {
     /// as fast as possible.
     #[arg(long, value_name = "X")]
     speedup: Option<f64>,
+    /// The in-process server's evict-ahead share of its pool, 0 to 50 ([store]
+    /// evict_ahead_percent; the server binary's default is 10). 0 (default) keeps the exact
+    /// LRU check; above 0 the hit count is reported next to the simulation's, not checked.
+    #[arg(long, value_name = "PERCENT", default_value_t = 0, value_parser = clap::value_parser!(u8).range(0..=50), conflicts_with = "endpoint")]
+    evict_ahead_percent: u8,
     /// Replay against a running server (http://host:port) instead of starting one; it needs
     /// --fd-socket-path (the socket is read from its Health answer).
     #[arg(long, value_name = "URL")]
@@ -237,6 +242,7 @@ fn options(c: &Common, path: &Path, capacity: u64) -> anyhow::Result<ReplayOptio
         endpoint: None,
         metrics_addr: None,
         progress: !c.no_progress,
+        evict_ahead_percent: 0,
     })
 }
 
@@ -259,6 +265,7 @@ fn run_replay(cli: &Cli, rt: &tokio::runtime::Runtime) -> anyhow::Result<bool> {
     let (path, trace) = load_trace(&cli.common)?;
     let mut opts = options(&cli.common, &path, cli.capacity)?;
     opts.clients = cli.clients;
+    opts.evict_ahead_percent = cli.evict_ahead_percent;
     opts.speedup = cli.speedup;
     opts.endpoint = cli.endpoint.clone();
     opts.metrics_addr = cli.metrics_addr.clone();
