@@ -188,6 +188,18 @@ pub struct ServerConfig {
     /// trailers, as any gRPC status after a response's headers.
     #[serde(default = "default_true")]
     pub save_headers_early: bool,
+    /// Answer a Save as soon as its transport has read all of its device memory (a
+    /// transport's [`crate::plugin::SourceRead`]: the `cuda` transport's staged path, once the
+    /// last gather kernel has copied the blocks into its device staging buffers), while the
+    /// bytes still travel to host memory; the Save then ends in its own task (copy, seal).
+    /// The client may reuse its device memory from the answer on, as after a Save answered
+    /// at its copy's end; the blocks become queryable when sealed, as before (a Save's OK
+    /// never meant queryable). A copy that fails after the answer stores none of its blocks
+    /// and is logged and counted in `pegaflow_save_late_failures_total`. A Flush still waits
+    /// for such Saves. Default true; false answers at the copy's end (PegaFlow's order).
+    /// Saves with a deadline (`grpc-timeout`) are answered at the end.
+    #[serde(default = "default_true")]
+    pub save_answer_early: bool,
 }
 
 /// Descriptors [`default_max_connections`] leaves for everything but gRPC connections, on top
@@ -402,6 +414,7 @@ impl Default for ServerConfig {
             admin_allow: AdminAllow::default(),
             numa_affinity: true,
             save_headers_early: true,
+            save_answer_early: true,
         }
     }
 }

@@ -65,6 +65,9 @@ pub struct Metrics {
     pub save_bytes: IntCounter,
     /// Save RPC copy duration.
     pub save_duration: Histogram,
+    /// Saves answered OK once their device memory was read (`[server] save_answer_early`)
+    /// that failed afterwards, on the way to host memory: their blocks were not stored.
+    pub save_late_failures: IntCounter,
     /// Bytes copied by Load.
     pub load_bytes: IntCounter,
     /// Load copy duration.
@@ -420,6 +423,10 @@ impl Metrics {
             save_duration: reg!(Histogram::with_opts(
                 HistogramOpts::new("pegaflow_save_duration_seconds", "Save copy duration")
                     .buckets(exp_buckets(0.0001, 2.0, 18))
+            )),
+            save_late_failures: reg!(c(
+                "pegaflow_save_late_failures_total",
+                "Saves answered when their device memory was read that failed afterwards (blocks not stored)"
             )),
             load_bytes: reg!(c("pegaflow_load_bytes_total", "Bytes copied by Load")),
             load_duration: reg!(Histogram::with_opts(

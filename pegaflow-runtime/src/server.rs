@@ -255,7 +255,8 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
     let (grpc_cap, http_cap) = connection_caps(&pipeline, nofile);
     let svc = svc
         .with_admin_allow(pipeline.server.admin_allow.clone())
-        .with_save_headers_early(pipeline.server.save_headers_early);
+        .with_save_headers_early(pipeline.server.save_headers_early)
+        .with_save_answer_early(pipeline.server.save_answer_early);
     {
         let stop = stop.clone();
         let listener = CappedListener::new(

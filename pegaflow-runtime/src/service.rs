@@ -31,7 +31,7 @@ use crate::decode;
 use crate::engine::Engine;
 use crate::error::{capped_status, EngineError, EngineResult, MAX_STATUS_MESSAGE_BYTES};
 use crate::metrics::{status_label, Metrics};
-use crate::plugin::NearEnd;
+use crate::plugin::{NearEnd, SourceRead};
 
 fn ok_status() -> Option<pb::ResponseStatus> {
     Some(pb::ResponseStatus {
@@ -50,6 +50,7 @@ pub struct EngineService {
     fd_socket_path: String,
     admin_allow: crate::config::AdminAllow,
     save_headers_early: bool,
+    save_answer_early: bool,
 }
 
 impl std::fmt::Debug for EngineService {
@@ -69,6 +70,7 @@ impl EngineService {
             fd_socket_path: fd_socket_path.unwrap_or_default(),
             admin_allow: Default::default(),
             save_headers_early: true,
+            save_answer_early: true,
         }
     }
 
@@ -85,11 +87,19 @@ impl EngineService {
         self
     }
 
+    /// Whether a Save is answered once its device memory was read (default true; `[server]
+    /// save_answer_early`, [`crate::config::ServerConfig::save_answer_early`]).
+    pub fn with_save_answer_early(mut self, early: bool) -> Self {
+        self.save_answer_early = early;
+        self
+    }
+
     /// Wraps the service for tonic with 64 MiB message limits and no compression, behind
     /// [`GuardedEngineServer`].
     pub fn into_server(self) -> GuardedEngineServer {
         let metrics = self.engine.metrics().clone();
-        let early_save = self.save_headers_early.then(|| Arc::new(self.clone()));
+        let early_save =
+            (self.save_headers_early || self.save_answer_early).then(|| Arc::new(self.clone()));
         GuardedEngineServer {
             inner: pb::engine_server::EngineServer::new(self)
                 .max_decoding_message_size(pb::MAX_MESSAGE_BYTES)
@@ -143,17 +153,22 @@ impl EngineService {
         })
     }
 
-    /// The Save handler under `save_headers_early`: runs the Save in a task of its own (a
-    /// cancelled RPC does not cut it in half) with a [`NearEnd`] listener. When the Save
-    /// ends first (a refusal, a copy without the signal), the headers go out with the answer
-    /// as under the unary handler; when the transport signals its copy's near end first, the
-    /// response (headers) is returned at once and the answer, or the error status in the
-    /// trailers, follows when the Save ends.
+    /// The Save handler under `save_headers_early` or `save_answer_early`: runs the Save in a
+    /// task of its own (a cancelled RPC does not cut it in half) with a [`NearEnd`] and a
+    /// [`SourceRead`] listener, each only where its setting is on.
     ///
-    /// A request with a deadline (`grpc-timeout`) gets no early headers: the server's
-    /// deadline covers a response only up to its headers, so the answer waits for the Save as
-    /// under the unary handler and the deadline still applies to all of it. (The published
-    /// client sends none.)
+    /// - The Save ends first (a refusal, a copy that signals neither): the headers go out
+    ///   with the answer, as under the unary handler.
+    /// - The transport has read all of the Save's device memory first ([`SourceRead`]): the
+    ///   answer (OK) goes out at once; the Save runs on to its end in its task, and a failure
+    ///   after that is logged and counted in `pegaflow_save_late_failures_total`.
+    /// - The copy nears its end first ([`NearEnd`]): the response headers go out at once, and
+    ///   the answer, or the error status in the trailers, when the Save ends.
+    ///
+    /// A request with a deadline (`grpc-timeout`) is answered at its end, headers with it:
+    /// the server's deadline covers a response only up to its headers, so the answer waits
+    /// for the Save as under the unary handler and the deadline still applies to all of it.
+    /// (The published client sends none.)
     async fn save_with_early_headers(
         self: Arc<Self>,
         request: Request<pb::SaveRequest>,
@@ -166,14 +181,40 @@ impl EngineService {
             Err(e) => return self.save_answered(t0, Err(e.into())).map(answer_now),
         };
         let (near, near_end) = NearEnd::new();
+        let (read, source_read) = SourceRead::new();
         let engine = self.engine.clone();
-        let mut task = tokio::spawn(near.scope(async move { engine.save(cmd).await }));
+        let save = async move { engine.save(cmd).await };
+        let mut task = match (self.save_headers_early, self.save_answer_early) {
+            (true, true) => tokio::spawn(near.scope(read.scope(save))),
+            (true, false) => {
+                drop(read);
+                tokio::spawn(near.scope(save))
+            }
+            (false, _) => {
+                drop(near);
+                tokio::spawn(read.scope(save))
+            }
+        };
         if has_deadline {
             return self.save_answered(t0, joined(task.await)).map(answer_now);
         }
+        // A listener not installed above is dropped unfired: its branch is disabled.
         tokio::select! {
             biased;
             r = &mut task => return self.save_answered(t0, joined(r)).map(answer_now),
+            Ok(()) = source_read => {
+                let metrics = self.engine.metrics().clone();
+                tokio::spawn(async move {
+                    if let Err(e) = joined(task.await) {
+                        metrics.save_late_failures.inc();
+                        tracing::warn!(
+                            error = %e.message(),
+                            "a Save answered once its device memory was read failed afterwards; none of its blocks were stored"
+                        );
+                    }
+                });
+                return self.save_answered(t0, Ok(())).map(answer_now);
+            }
             Ok(()) = near_end => {}
         }
         tracing::debug!(

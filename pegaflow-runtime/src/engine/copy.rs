@@ -15,7 +15,7 @@ use futures::FutureExt;
 
 use crate::error::{EngineError, EngineResult};
 use crate::plugin::{
-    op_parts, CopyBatch, CopyOp, NearEnd, OpPartSender, Transport, TransportError,
+    op_parts, CopyBatch, CopyOp, NearEnd, OpPartSender, SourceRead, Transport, TransportError,
 };
 
 /// The first part of a batch holds about this many bytes; each next one doubles, up to
@@ -92,10 +92,14 @@ pub(super) async fn start_copy<K: Send + 'static>(
         drop(keep);
         r
     };
-    // The RPC's near-end listener, if any, goes with the future into the task that waits.
+    // The RPC's listeners, if any, go with the future into the task that waits.
+    let copy: CopyFuture = match SourceRead::current() {
+        Some(read) => Box::pin(read.scope(copy)),
+        None => Box::pin(copy),
+    };
     let mut fut: CopyFuture = match NearEnd::current() {
         Some(near) => Box::pin(near.scope(copy)),
-        None => Box::pin(copy),
+        None => copy,
     };
     let ready = std::future::poll_fn(|cx| match fut.as_mut().poll(cx) {
         Poll::Ready(r) => Poll::Ready(Some(r)),

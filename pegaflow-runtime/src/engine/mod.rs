@@ -15,6 +15,7 @@
 //! registration before fencing it and draining its copies (DESIGN.md §6). Blocking work
 //! (copies, unmapping) runs on transports' threads and on the reaper thread.
 
+mod acked;
 pub mod command;
 mod copy;
 mod instance;
@@ -128,6 +129,8 @@ pub struct Engine {
     flush_barrier: tokio::sync::RwLock<()>,
     /// Seals and indexes saved blocks after their Save answered ([`sealer`]).
     sealer: sealer::SealQueue,
+    /// Saves answered before their copy ended, until their seal is queued ([`acked`]).
+    acked: Arc<acked::AckedSaves>,
     fd_channel: Option<Arc<FdChannel>>,
     /// The side channel's counters as last exported (to turn snapshots into counter deltas).
     fd_stats_seen: Mutex<crate::fd_channel::FdChannelStats>,
@@ -160,6 +163,7 @@ impl Engine {
         let seal_metrics = parts.metrics.clone();
         Ok(Arc::new_cyclic(|engine| Self {
             sealer: sealer::SealQueue::start(engine.clone(), seal_metrics),
+            acked: Default::default(),
             leases: LeaseTable::new(
                 Duration::from_secs(parts.config.lease_ttl_secs),
                 parts.config.max_leases_per_instance,

@@ -33,7 +33,7 @@ impl Engine {
         if req.group_id == 0 {
             self.query_prefix(&inst, &req).await
         } else {
-            self.query_membership(&inst, &req)
+            self.query_membership(&inst, &req).await
         }
     }
 
@@ -48,11 +48,25 @@ impl Engine {
             .topology
             .as_ref()
             .and_then(|t| t.block_shape(0));
-        let hits = match self
-            .store
-            .query_prefix(&inst.namespace, &req.req_id, &req.hashes, expect.as_ref())
-            .await
-        {
+        let hits = loop {
+            let answer = self
+                .store
+                .query_prefix(&inst.namespace, &req.req_id, &req.hashes, expect.as_ref())
+                .await;
+            // The prefix stops at a block whose Save was answered before its copy ended:
+            // wait for that Save's seal, then look again (`acked`).
+            if let PrefixAnswer::Ready(hits) = &answer {
+                if let Some(next) = req.hashes.get(hits.len()) {
+                    if self.acked.holds(&inst.namespace, 0, next) {
+                        self.acked.wait_for(&inst.namespace, 0, next).await;
+                        self.sealer.settle().await;
+                        continue;
+                    }
+                }
+            }
+            break answer;
+        };
+        let hits = match hits {
             PrefixAnswer::Ready(hits) => hits,
             PrefixAnswer::Loading => {
                 self.metrics
@@ -106,7 +120,11 @@ impl Engine {
 
     /// Groups > 0: membership per position (all-or-nothing with `wait_for_full_prefix`), in
     /// DRAM; the hits are leased.
-    fn query_membership(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+    async fn query_membership(
+        &self,
+        inst: &Instance,
+        req: &QueryCommand,
+    ) -> EngineResult<QueryAnswer> {
         let ns: &str = &inst.namespace;
         // Membership (group > 0) needs the sealed topology to know the group.
         let topo = {
@@ -129,8 +147,22 @@ impl Engine {
         }
         let mut hits = Vec::new();
         let mut positions = Vec::new();
-        // One lock per index shard for the whole list.
-        let found = self.store.get_touch_each(ns, req.group_id, &req.hashes);
+        // One lock per index shard for the whole list; a miss whose Save was answered before
+        // its copy ended waits for that Save's seal, and the list is looked up again.
+        let found = loop {
+            let found = self.store.get_touch_each(ns, req.group_id, &req.hashes);
+            let pending = found
+                .iter()
+                .zip(req.hashes.iter())
+                .find(|(b, h)| b.is_none() && self.acked.holds(ns, req.group_id, h));
+            match pending {
+                Some((_, h)) => {
+                    self.acked.wait_for(ns, req.group_id, h).await;
+                    self.sealer.settle().await;
+                }
+                None => break found,
+            }
+        };
         for (i, b) in found.into_iter().enumerate() {
             if let Some(b) = b {
                 hits.push(b);

@@ -13,6 +13,7 @@
 use std::sync::Arc;
 use std::time::Instant;
 
+use super::acked::{AckedSave, AckedSaves};
 use super::command::{HashList, SaveCommand, SaveLayer};
 use super::instance::{Instance, Topology, WorkerLayer, WorkerLease};
 use super::{Engine, Inflight};
@@ -20,7 +21,7 @@ use crate::block::{BlockKey, KeyRef, SealedBlock, Slot};
 use crate::buffer::HostBuffer;
 use crate::error::{echo, EngineError, EngineResult};
 use crate::metrics::{PhaseClock, SavePhase};
-use crate::plugin::{CopyBatch, CopyOp, Direction};
+use crate::plugin::{CopyBatch, CopyOp, Direction, SourceRead};
 
 /// One block of a Save request. Its slots and device parts live in the plan's [`Fill`], so
 /// planning allocates nothing per block.
@@ -159,6 +160,27 @@ pub(super) fn push_merged(ops: &mut Vec<CopyOp>, op: CopyOp) {
 /// the slot.
 type ResolvedLayer<'a> = (&'a WorkerLayer, usize, usize);
 
+/// A Save's distinct (group, hash list) pairs, for [`AckedSave`]: one clone of the list when
+/// every layer carries the same one.
+fn acked_lists(saves: &[&SaveLayer], layers: &[ResolvedLayer<'_>]) -> Vec<(u32, HashList)> {
+    let mut out: Vec<(u32, HashList)> = Vec::new();
+    for (s, (layer, _, _)) in saves.iter().zip(layers) {
+        if !out.iter().any(|(g, h)| *g == layer.group && *h == s.hashes) {
+            out.push((layer.group, s.hashes.clone()));
+        }
+    }
+    out
+}
+
+/// Ends an [`AckedSave`]'s window when dropped: after the Save queued its seal, or failed.
+struct LeaveOnDrop(Arc<AckedSaves>, Arc<AckedSave>);
+
+impl Drop for LeaveOnDrop {
+    fn drop(&mut self) {
+        self.0.leave(&self.1);
+    }
+}
+
 /// The layers of a [`Fill::Uniform`] Save, each slot after the previous one in the block's
 /// buffer; `None` when the Save is not one (page-first, a second group, another hash list, a
 /// slot filled twice, or block ids that do not pair with the hashes).
@@ -238,7 +260,25 @@ impl Engine {
             .map(|p| (p.group, live[p.at.0 as usize], p.at.1))
             .collect();
         let totals: Vec<usize> = wl.topology.groups.iter().map(|g| g.total_slots).collect();
-        let bufs = self.copy_to_host(&wl, &plan, bufs).await?;
+        // Answered before its copy ends (the RPC layer listens for the transport's
+        // SourceRead): noted as acknowledged first, so that a query waits for its blocks.
+        let acked = SourceRead::current().map(|then| {
+            let save = Arc::new(AckedSave::new(
+                inst.namespace.clone(),
+                acked_lists(&saves, &layers),
+            ));
+            let (all, entered) = (self.acked.clone(), save.clone());
+            let read = SourceRead::chained(move || all.enter(entered), then);
+            (save, read)
+        });
+        let copy = self.copy_to_host(&wl, &plan, bufs);
+        let bufs = match &acked {
+            Some((_, read)) => read.clone().scope(copy).await,
+            None => copy.await,
+        };
+        // The seal is queued below (or the Save failed here): the window ends after that.
+        let _left = acked.map(|(save, _)| LeaveOnDrop(self.acked.clone(), save));
+        let bufs = bufs?;
         clock.lap(phases.save(SavePhase::Copy));
         let slots = match plan.fill {
             Fill::Uniform(layers) => {

@@ -39,7 +39,7 @@ pub use registrar::{
 pub use tier::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
 pub use transport::{
     op_parts, signal_near_end, CopyBatch, CopyOp, Direction, MemorySpace, NearEnd, OpPartSender,
-    OpParts, PartTally, Transport, TransportError,
+    OpParts, PartTally, SourceRead, Transport, TransportError,
 };
 
 use crate::fd_channel::FdChannel;

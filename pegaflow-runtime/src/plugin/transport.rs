@@ -271,24 +271,66 @@ pub trait Transport: Send + Sync + 'static {
     async fn copy_parts(&self, batch: CopyBatch, parts: OpParts) -> Result<(), TransportError>;
 }
 
+/// A one-shot signal shared by clones: fired at most once, from any thread, it runs its
+/// action (by default: resolve the receiver [`OnceSignal::new`] returned, which errs once every
+/// clone is dropped unfired).
+#[derive(Clone)]
+struct OnceSignal(Arc<parking_lot::Mutex<Option<SignalAction>>>);
+
+/// What a [`OnceSignal`] does when fired.
+type SignalAction = Box<dyn FnOnce() + Send>;
+
+impl std::fmt::Debug for OnceSignal {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("OnceSignal")
+            .field("fired", &self.0.lock().is_none())
+            .finish()
+    }
+}
+
+impl OnceSignal {
+    fn new() -> (Self, tokio::sync::oneshot::Receiver<()>) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (
+            Self::with_action(move || {
+                let _ = tx.send(());
+            }),
+            rx,
+        )
+    }
+
+    fn with_action(action: impl FnOnce() + Send + 'static) -> Self {
+        Self(Arc::new(parking_lot::Mutex::new(Some(Box::new(action)))))
+    }
+
+    fn fire(&self) {
+        // Taken under the lock, run outside it.
+        let action = self.0.lock().take();
+        if let Some(action) = action {
+            action();
+        }
+    }
+}
+
 /// Who hears that the copy batch of the current operation is close to its end: the RPC layer
 /// sends a Save's response headers then, so that the client's threads are awake when the
 /// answer follows ([`crate::config::ServerConfig::save_headers_early`]). Made by
 /// [`NearEnd::new`], installed around an operation with [`NearEnd::scope`], fired by the
 /// transport through [`signal_near_end`]. Fires at most once; cloning shares the one signal.
 #[derive(Debug, Clone)]
-pub struct NearEnd(Arc<parking_lot::Mutex<Option<tokio::sync::oneshot::Sender<()>>>>);
+pub struct NearEnd(OnceSignal);
 
 tokio::task_local! {
     static NEAR_END: NearEnd;
+    static SOURCE_READ: SourceRead;
 }
 
 impl NearEnd {
     /// A listener and the receiver that resolves when it fires (or errs once every clone of
     /// the listener is dropped unfired).
     pub fn new() -> (Self, tokio::sync::oneshot::Receiver<()>) {
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        (Self(Arc::new(parking_lot::Mutex::new(Some(tx)))), rx)
+        let (s, rx) = OnceSignal::new();
+        (Self(s), rx)
     }
 
     /// Runs `fut` with this listener as its task's: [`signal_near_end`] called while `fut`
@@ -304,9 +346,59 @@ impl NearEnd {
     }
 
     fn fire(&self) {
-        if let Some(tx) = self.0.lock().take() {
-            let _ = tx.send(());
-        }
+        self.0.fire();
+    }
+}
+
+/// Who hears that a device → host batch of the current operation has read every byte of its
+/// device memory, while bytes of it may still travel to host memory: from then on the
+/// client may overwrite its device memory without harm to the copy. The RPC layer answers a
+/// Save then ([`crate::config::ServerConfig::save_answer_early`]), and the Save goes on to
+/// its end (host bytes, seal) in its own task; a failure after the answer is logged and
+/// counted (`pegaflow_save_late_failures_total`), and the Save's blocks are not stored.
+///
+/// Made by [`SourceRead::new`], installed around an operation with [`SourceRead::scope`];
+/// a transport takes it with [`SourceRead::current`] on the task that awaits the batch and
+/// fires it with [`SourceRead::fire`], from any thread, only once no byte of the batch will
+/// read the device again (the `cuda` transport: after the last gather kernel of a staged
+/// batch completed into its device staging buffers). A transport that cannot tell never
+/// fires it, and the answer waits for the batch's end. Fires at most once; cloning shares
+/// the one signal.
+#[derive(Debug, Clone)]
+pub struct SourceRead(OnceSignal);
+
+impl SourceRead {
+    /// A listener and the receiver that resolves when it fires (or errs once every clone of
+    /// the listener is dropped unfired).
+    pub fn new() -> (Self, tokio::sync::oneshot::Receiver<()>) {
+        let (s, rx) = OnceSignal::new();
+        (Self(s), rx)
+    }
+
+    /// Runs `fut` with this listener as its task's: [`SourceRead::current`] inside `fut`
+    /// returns it.
+    pub async fn scope<F: std::future::Future>(self, fut: F) -> F::Output {
+        SOURCE_READ.scope(self, fut).await
+    }
+
+    /// The listener of the task being polled, if any.
+    pub fn current() -> Option<Self> {
+        SOURCE_READ.try_with(Clone::clone).ok()
+    }
+
+    /// Fires the signal; a second call, or one nobody listens to any more, does nothing.
+    pub fn fire(&self) {
+        self.0.fire();
+    }
+
+    /// A listener that, when fired, runs `first` and then fires `then`: the engine notes a
+    /// Save as acknowledged before the RPC layer answers it. Dropped unfired, it drops
+    /// `then` unfired.
+    pub fn chained(first: impl FnOnce() + Send + 'static, then: SourceRead) -> Self {
+        Self(OnceSignal::with_action(move || {
+            first();
+            then.fire();
+        }))
     }
 }
 
