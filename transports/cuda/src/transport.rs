@@ -27,7 +27,7 @@ use parking_lot::Mutex;
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::{
     defaults_of, parse_settings, ConfigSchema, CopyBatch, CopyOp, Direction, HostRegion,
-    MemorySpace, OpParts, PluginOption, RuntimeContext, Transport, TransportError,
+    MemorySpace, OpParts, PluginOption, RuntimeContext, SourceRead, Transport, TransportError,
     TransportFactory,
 };
 use serde::{Deserialize, Serialize};
@@ -37,6 +37,7 @@ use crate::driver::{check, driver, CudaError, Driver};
 use crate::pin::{PinSet, PinState, MAX_PIN_CHUNK};
 use crate::plan::{
     merge_ops, merged_stats, push_descs, split_at_boundaries, Desc, HostOrder, StagedPlan,
+    STAGING_ALIGN,
 };
 use crate::CUDA_DOMAIN;
 
@@ -323,6 +324,9 @@ struct Job {
     /// the runtime thread that carries the answer on is awake when the copy ends instead of
     /// being woken by the worker after it.
     near_end: oneshot::Sender<()>,
+    /// The operation's [`SourceRead`] listener, for a device → host batch whose caller has
+    /// one: fired once the batch's staged gathers have read all of its device memory.
+    source_read: Option<SourceRead>,
     /// When `copy` sent it (the debug log's `queued_us`: how long it waited for the worker).
     sent: std::time::Instant,
 }
@@ -617,11 +621,17 @@ impl CudaTransport {
         let (near_end, near_rx) = oneshot::channel();
         let wait = self.shared.as_ref().map_or(Wait::Sleep, |s| s.cfg.wait);
         let caller_polls = wait != Wait::Sleep;
+        let source_read = if batch.direction == Direction::ToHost {
+            SourceRead::current()
+        } else {
+            None
+        };
         let job = Job {
             batch,
             parts,
             reply,
             near_end,
+            source_read,
             sent: std::time::Instant::now(),
         };
         tx.send(job).await.map_err(|_| {
@@ -731,6 +741,7 @@ fn worker_main(
     while let Some(mut job) = next_job_preparing(&mut w, &mut rx, idle_poll) {
         let queued_us = job.sent.elapsed().as_micros() as u64;
         w.near_end = Some(job.near_end);
+        w.source_read = job.source_read.take();
         let (batch, parts) = (&mut job.batch, job.parts.as_mut());
         let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(batch, parts, queued_us)))
             .unwrap_or_else(|_| {
@@ -743,6 +754,7 @@ fn worker_main(
         // A batch that failed before its wait never sent `near_end`: dropping it now (after
         // the reply, so the caller finds the answer ready) wakes a caller still waiting on it.
         w.near_end = None;
+        w.source_read = None;
     }
 }
 
@@ -865,6 +877,28 @@ struct Worker {
     uploaded: sys::CUevent,
     kernel: Option<sys::CUfunction>,
     grid_cap: u32,
+    /// Device → host workers with the copy kernel: the stream every gather kernel of a
+    /// staged batch runs on, so that a gather never waits behind an earlier chunk's pinned
+    /// copy (null otherwise). Chunk `i`'s pinned copies run on `streams[i % len]` after its
+    /// gather (an event), and a gather into staging memory still being copied out waits for
+    /// that copy (events: [`Worker::ring`]).
+    gather: sys::CUstream,
+    /// The running staged device → host batch's chunks whose pinned copies may still read
+    /// their staging memory: (buffer, offset, end, the event after the copies), oldest first.
+    /// A batch places its chunks one after the other through the buffers, wrapping around.
+    ring: std::collections::VecDeque<(usize, u64, u64, sys::CUevent)>,
+    /// Where the running batch's next chunk goes: (buffer, offset).
+    ring_at: (usize, u64),
+    /// Events for `ring` and the gathers (two per chunk), reused by later batches;
+    /// `ring_events_used` of them taken by the running batch.
+    ring_events: Vec<sys::CUevent>,
+    ring_events_used: usize,
+    /// Recorded on `gather` after a batch's last gather, when `source_read` is set; polled
+    /// then slept on (`CU_EVENT_BLOCKING_SYNC`) by [`Worker::sync`].
+    read_event: sys::CUevent,
+    read_recorded: bool,
+    /// The running batch's [`Job::source_read`].
+    source_read: Option<SourceRead>,
     /// One staging buffer per stream.
     staging: Option<Vec<DevBuf>>,
     staging_failed: bool,
@@ -925,6 +959,14 @@ impl Worker {
             polled: Vec::with_capacity(n),
             marks: Vec::new(),
             near_end: None,
+            gather: std::ptr::null_mut(),
+            ring: std::collections::VecDeque::new(),
+            ring_at: (0, 0),
+            ring_events: Vec::new(),
+            ring_events_used: 0,
+            read_event: std::ptr::null_mut(),
+            read_recorded: false,
+            source_read: None,
             mark_events: Vec::new(),
             enqueued: 0,
             since_mark: 0,
@@ -969,6 +1011,21 @@ impl Worker {
         if w.kernel.is_some() {
             // Allocate the staging buffers up front rather than on the first batch.
             w.ensure_staging();
+            if dir == Direction::ToHost {
+                let mut s: sys::CUstream = std::ptr::null_mut();
+                check(
+                    // SAFETY: out-pointer to a live local; the context is current.
+                    unsafe {
+                        sys::cuStreamCreate(
+                            &mut s,
+                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
+                        )
+                    },
+                    "cuStreamCreate",
+                )?;
+                w.gather = s;
+                w.read_event = new_event(true)?;
+            }
         }
         Ok(w)
     }
@@ -1031,6 +1088,19 @@ impl Worker {
 
     /// Waits for everything enqueued on every stream, as `cfg.wait` says.
     fn sync(&mut self) -> Result<(), CudaError> {
+        // The batch's device memory is read long before its end: tell the listener first.
+        if let Some(read) = self.source_read.take() {
+            if std::mem::take(&mut self.read_recorded) {
+                let done = match poll_event(self.read_event, POLL_LIMIT) {
+                    Ok(true) => true,
+                    Ok(false) => wait_event(self.read_event).is_ok(),
+                    Err(_) => false,
+                };
+                if done {
+                    read.fire();
+                }
+            }
+        }
         // How long each stream's end is polled before sleeping on it (None: not at all).
         let near_end = self.near_end.take();
         let poll: Option<Duration> = match self.cfg.wait {
@@ -1083,6 +1153,17 @@ impl Worker {
                 first = r;
             }
         }
+        if !self.gather.is_null() {
+            // Done by now (every copy waited for its gather); checked for its errors.
+            // SAFETY: a stream of this worker's context (current).
+            let r = check(
+                unsafe { sys::cuStreamSynchronize(self.gather) },
+                "cuStreamSynchronize",
+            );
+            if first.is_ok() {
+                first = r;
+            }
+        }
         first
     }
 
@@ -1097,6 +1178,11 @@ impl Worker {
         let t0 = std::time::Instant::now();
         (self.enqueued, self.since_mark) = (0, 0);
         self.marks.clear();
+        // The previous batch synchronised: no staging memory is being copied out.
+        self.ring.clear();
+        self.ring_at = (0, 0);
+        self.ring_events_used = 0;
+        self.read_recorded = false;
         let mut tally = Tally::default();
         let mut first = std::mem::take(&mut batch.ops);
         if first.is_empty() {
@@ -1397,6 +1483,11 @@ impl Worker {
             plan.finish();
             r = self.issue_closed(&plan, &mut run);
         }
+        if r.is_ok() && self.source_read.is_some() && !self.gather.is_null() {
+            // After the last gather: every byte of the batch's device memory has been read.
+            // Without the mark, the answer waits for the batch's end.
+            self.read_recorded = record(self.read_event, self.gather).is_ok();
+        }
         self.plan = plan;
         self.order = order;
         r.map(|()| run.submissions)
@@ -1443,7 +1534,12 @@ impl Worker {
     ) -> Result<usize, CudaError> {
         let c = &plan.chunks[i];
         let s = self.streams[i % self.streams.len()];
-        let base = bases[i % bases.len()];
+        let ring = self.dir == Direction::ToHost && !self.gather.is_null();
+        let base = if ring {
+            self.ring_place(c.used, bases)?
+        } else {
+            bases[i % bases.len()]
+        };
         let mut descs = std::mem::take(&mut self.descs);
         descs.clear();
         for p in &plan.pieces[c.pieces.clone()] {
@@ -1460,7 +1556,17 @@ impl Worker {
         let count = descs.len();
         self.descs = descs;
         let dev = dev?;
-        if self.dir == Direction::ToHost {
+        if ring {
+            // The gather on its own stream, then this chunk's copies after it.
+            self.launch(dev, 0, count, self.gather)?;
+            let gathered = self.ring_event()?;
+            record(gathered, self.gather)?;
+            check(
+                // SAFETY: stream and event of this worker's context (current on its thread).
+                unsafe { sys::cuStreamWaitEvent(s, gathered, 0) },
+                "cuStreamWaitEvent",
+            )?;
+        } else if self.dir == Direction::ToHost {
             self.launch(dev, 0, count, s)?;
         }
         for hc in &plan.host_copies[c.host_copies.clone()] {
@@ -1488,12 +1594,61 @@ impl Worker {
         if self.dir == Direction::ToDevice {
             self.launch(dev, 0, count, s)?;
         }
+        if ring {
+            // The staging memory is free again once these copies are done.
+            let copied = self.ring_event()?;
+            record(copied, s)?;
+            let (b, end) = self.ring_at;
+            self.ring
+                .push_back((b, end - round_up(c.used), end, copied));
+        }
         let bytes: u64 = plan.host_copies[c.host_copies.clone()]
             .iter()
             .map(|hc| hc.len as u64)
             .sum();
         self.note_enqueued(bytes, i % self.streams.len());
         Ok(c.host_copies.len() + 1)
+    }
+
+    /// Where in the staging buffers the next chunk of a device → host batch goes (`used`
+    /// bytes): after the previous one in the same buffer, or at the start of the next buffer
+    /// when it does not fit. Makes the gather stream wait for the pinned copies still reading
+    /// that memory. Returns its device address.
+    fn ring_place(&mut self, used: u64, bases: &[u64]) -> Result<u64, CudaError> {
+        let len = round_up(used);
+        let (mut b, mut off) = self.ring_at;
+        if off + len > self.cfg.staging_chunk && off > 0 {
+            (b, off) = ((b + 1) % bases.len(), 0);
+        }
+        let end = off + len;
+        // Chunks are placed in order around the ring, so what overlaps is the oldest; once
+        // the in-order gather stream waits for one copy, every later gather is after it too.
+        let mut i = 0;
+        while i < self.ring.len() {
+            let (rb, ro, re, ev) = self.ring[i];
+            if rb == b && ro < end && off < re {
+                check(
+                    // SAFETY: stream and event of this worker's context (current on its thread).
+                    unsafe { sys::cuStreamWaitEvent(self.gather, ev, 0) },
+                    "cuStreamWaitEvent",
+                )?;
+                self.ring.remove(i);
+            } else {
+                i += 1;
+            }
+        }
+        self.ring_at = (b, end);
+        Ok(bases[b] + off)
+    }
+
+    /// An event for the running batch's ring (made when the batch needs more than earlier
+    /// ones did; re-recording one after its batch synchronised is safe).
+    fn ring_event(&mut self) -> Result<sys::CUevent, CudaError> {
+        if self.ring_events_used == self.ring_events.len() {
+            self.ring_events.push(new_event(false)?);
+        }
+        self.ring_events_used += 1;
+        Ok(self.ring_events[self.ring_events_used - 1])
     }
 
     /// Starts a batch's descriptor pages: after the previous batch synchronised, nothing
@@ -1628,16 +1783,25 @@ impl Drop for Worker {
                 .iter()
                 .chain(&self.polled)
                 .chain(&self.mark_events)
-                .chain([&self.uploaded])
+                .chain(&self.ring_events)
+                .chain([&self.uploaded, &self.read_event])
                 .filter(|e| !e.is_null())
             {
                 let _ = sys::cuEventDestroy_v2(*e);
             }
-            for s in &self.streams {
-                let _ = sys::cuStreamDestroy_v2(*s);
+            for s in self.streams.iter().chain([&self.gather]) {
+                if !s.is_null() {
+                    let _ = sys::cuStreamDestroy_v2(*s);
+                }
             }
         }
     }
+}
+
+/// `n` rounded up to [`STAGING_ALIGN`]: where the next staging chunk may start, so that its
+/// offsets keep their alignment.
+fn round_up(n: u64) -> u64 {
+    n.div_ceil(STAGING_ALIGN) * STAGING_ALIGN
 }
 
 /// A timing-free event of the current context; `blocking`: a wait on it sleeps

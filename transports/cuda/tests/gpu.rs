@@ -16,7 +16,7 @@ use std::time::{Duration, Instant};
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::{
     op_parts, CopyBatch, CopyOp, Direction, ImportRequest, Registrar, RegistrarError,
-    RegistrationPayload, RuntimeContext, Transport,
+    RegistrationPayload, RuntimeContext, SourceRead, Transport,
 };
 use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::wrapper::{encode_wrapper, parse_wrapper};
@@ -646,4 +646,99 @@ fn ipc_open_of_an_own_handle_fails_cleanly() {
         matches!(&e, RegistrarError::Failed(m) if m.contains("cuIpcOpenMemHandle")),
         "{e}"
     );
+}
+
+/// A device → host batch on the staged path fires the operation's [`SourceRead`] listener once
+/// its gathers have read every byte of its device memory, before its pinned copies end: the
+/// test overwrites the whole device buffer the moment the listener fires, and the host still
+/// receives exactly the bytes from before. With 4 MiB staging the 48 MiB batch wraps the two
+/// buffers many times (gathers wait for the copies out of the memory they reuse); with the
+/// default 64 MiB it fits in them. The direct path reads the device until its end and never
+/// fires.
+#[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
+fn the_source_read_signal_comes_only_after_every_device_byte_was_read() {
+    if !gpu_tests() {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    for (i, (policy, staging_chunk, fires)) in [
+        (Policy::Kernel, 4u64 << 20, true),
+        (Policy::Kernel, 64 << 20, true),
+        (Policy::Direct, 64 << 20, false),
+    ]
+    .into_iter()
+    .enumerate()
+    {
+        let cfg = CudaTransportConfig {
+            policy,
+            staging_chunk,
+            ..Default::default()
+        };
+        let f = fixture(cfg, 900 + i as u64);
+        // Every 32 KiB device slot of a shuffled subset, into contiguous host memory.
+        let seg = 32 << 10;
+        let mut slots: Vec<usize> = (0..DEV_LEN / seg).collect();
+        let mut rng = Rng(77 + i as u64);
+        for k in (1..slots.len()).rev() {
+            slots.swap(k, rng.below(k as u64 + 1) as usize);
+        }
+        let ops: Vec<CopyOp> = slots
+            .iter()
+            .take(f.arena.len() / seg)
+            .enumerate()
+            .map(|(k, &s)| CopyOp {
+                device_addr: f.dev.ptr() + (s * seg) as u64,
+                host_addr: f.arena.addr() + k * seg,
+                len: seg,
+            })
+            .collect();
+        // SAFETY: no copy is in flight.
+        unsafe { f.arena.bytes_mut() }.fill(0);
+        let batch = CopyBatch {
+            location: pegaflow_transport_cuda::cuda_space(0),
+            direction: Direction::ToHost,
+            mode: TransferMode::Kernel,
+            ops: ops.clone(),
+        };
+        let (read, fired) = SourceRead::new();
+        let (rep, overwritten) = rt.block_on(async {
+            let copy = read.scope(f.transport.copy_with_report(batch));
+            let overwrite = async {
+                // Fired: the device memory may change from now on.
+                let ok = fired.await.is_ok();
+                if ok {
+                    f.dev.fill(0xA5).unwrap();
+                }
+                ok
+            };
+            tokio::join!(copy, overwrite)
+        });
+        let rep = rep.unwrap();
+        let want_path = if fires {
+            CopyPath::Staged
+        } else {
+            CopyPath::Direct
+        };
+        assert_eq!(rep.path, want_path);
+        assert_eq!(overwritten, fires, "{policy:?}, {staging_chunk} B staging");
+        // SAFETY: the copy completed.
+        let host = unsafe { f.arena.bytes() };
+        for (k, o) in ops.iter().enumerate() {
+            let d = (o.device_addr - f.dev.ptr()) as usize;
+            assert!(
+                host[k * seg..(k + 1) * seg] == f.dev_data[d..d + seg],
+                "{policy:?}, {staging_chunk} B staging: segment {k} holds other bytes"
+            );
+        }
+        if fires {
+            let mut back = vec![0u8; 4096];
+            f.dev.download(0, &mut back).unwrap();
+            assert!(back.iter().all(|&b| b == 0xA5), "the overwrite happened");
+        }
+    }
 }
