@@ -4,18 +4,28 @@
 export PYTHONUNBUFFERED=1
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target /tmp/pf-site "$d"/pegaflow_llm_cu13-*.whl >/dev/null 2>&1 || { echo "wheel install failed (is pegaflow_llm_cu13-*.whl in $d?)"; exit 1; }
 export PYTHONPATH=/tmp/pf-site
-# IDLE_SPIN=1: while the script runs, a busy loop at SCHED_IDLE priority on every CPU, so that no
-# CPU halts when its threads wait (as under a kernel booted with idle=poll): any thread that
-# wakes preempts the loop at once. It tells the client's and the server's wake-up from a CPU's
-# exit from idle in the figures (on the GPU machine, a KVM guest, a halted vCPU goes back to the
-# host). A measurement aid, not a production setting: it keeps every core busy. Started once per
-# run; nested scripts see PF_IDLE_SPIN_PIDS and leave it alone.
-if [ "${IDLE_SPIN:-0}" = 1 ] && [ -z "${PF_IDLE_SPIN_PIDS:-}" ]; then
+# IDLE_SPIN=1 (or a CPU list such as 8-15): while the script runs, a busy loop at SCHED_IDLE
+# priority on every CPU (or on those listed), so that those CPUs never halt when their threads
+# wait (as under a kernel booted with idle=poll): any thread that wakes preempts the loop at
+# once. It tells the client's and the server's wake-up from a CPU's exit from idle in the
+# figures (on the GPU machine, a KVM guest, a halted vCPU goes back to the host). A measurement
+# aid, not a production setting: it keeps those cores busy. Started once per run; nested scripts
+# see PF_IDLE_SPIN_PIDS and leave it alone. PIN_SERVER=CPU-LIST (gpu-run.sh, ideal.sh) runs the
+# server under test on those CPUs only; run the script itself under `taskset -c` to pin the client.
+if [ -n "${IDLE_SPIN:-}" ] && [ "${IDLE_SPIN}" != 0 ] && [ -z "${PF_IDLE_SPIN_PIDS:-}" ]; then
+  spin_cpus=$(python3 -c 'import os, sys
+a = sys.argv[1]
+if a == "1":
+    c = sorted(os.sched_getaffinity(0))
+else:
+    c = [n for part in a.split(",") for lo, _, hi in [part.partition("-")] for n in range(int(lo), int(hi or lo) + 1)]
+print(" ".join(map(str, c)))' "$IDLE_SPIN")
   PF_IDLE_SPIN_PIDS=""
-  for c in $(seq 0 $(( $(nproc) - 1 ))); do
+  for c in $spin_cpus; do
     chrt -i 0 taskset -c "$c" sh -c 'while :; do :; done' & PF_IDLE_SPIN_PIDS="$PF_IDLE_SPIN_PIDS $!"
   done
   export PF_IDLE_SPIN_PIDS
   trap 'kill $PF_IDLE_SPIN_PIDS 2>/dev/null' EXIT
-  echo "idle spin: a SCHED_IDLE busy loop on each of $(nproc) CPUs"
+  echo "idle spin: a SCHED_IDLE busy loop on CPUs $spin_cpus"
 fi
+SERVER_PIN=(); [ -n "${PIN_SERVER:-}" ] && SERVER_PIN=(taskset -c "$PIN_SERVER")

@@ -28,7 +28,7 @@ for b in ${BATCHES:-256 32}; do
   fi
   for h in $holds; do
     lead=0; [ "$h" -gt 0 ] && lead=${LEAD_US:-300}
-    "$d/pegaflow-wake-probe" --hold-us "$h" --lead-us "$lead" 2>/dev/null & pid=$!
+    "${SERVER_PIN[@]}" "$d/pegaflow-wake-probe" --hold-us "$h" --lead-us "$lead" 2>/dev/null & pid=$!
     sleep 0.4
     timeout 120 python3 "$d/ideal_save.py" --hold-us "$h" --batch "$b" --reps "${REPS:-3}" --tag "ideal-b$b" $torch | tee -a "$out/ideal.jsonl"
     kill "$pid"; wait "$pid" 2>/dev/null
