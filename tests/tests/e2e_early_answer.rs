@@ -182,16 +182,7 @@ async fn a_save_is_answered_when_its_device_memory_is_read_and_sealed_at_its_end
 
     // 3. A transport that does not signal: the answer waits for the copy's end.
     SIGNAL.store(false, Ordering::SeqCst);
-    let h4 = vec![hs[4].clone()];
-    let call = tokio::spawn(async move {
-        let r = w.save(&[4], &h4).await;
-        (w, r)
-    });
-    tokio::time::sleep(Duration::from_millis(300)).await;
-    assert!(!call.is_finished(), "no answer before the copy ended");
-    GATE.add_permits(1);
-    let (_w, r) = call.await.unwrap();
-    r.expect("saved");
+    let _w = answered_only_at_the_gate(w, 4, hs[4].clone()).await;
     assert_eq!(resident(&srv).await, 4);
     SIGNAL.store(true, Ordering::SeqCst);
     assert_eq!(metrics.save_late_failures.get(), 1);
@@ -201,16 +192,22 @@ async fn a_save_is_answered_when_its_device_memory_is_read_and_sealed_at_its_end
     let srv = server(false).await;
     let mut w = Worker::register(&srv, "late", "ns", SHAPE, 0, 1, 0).await;
     w.kv.fill(5, &hs[5]);
-    let h5 = vec![hs[5].clone()];
+    let _w = answered_only_at_the_gate(w, 5, hs[5].clone()).await;
+    assert_eq!(resident(&srv).await, 1);
+    srv.shutdown().await;
+}
+
+/// Saves block `id` of `w` under `hash` and checks that no answer comes before the gate lets
+/// its copy end, then that it is OK; gives `w` back.
+async fn answered_only_at_the_gate(mut w: Worker, id: u32, hash: Vec<u8>) -> Worker {
     let call = tokio::spawn(async move {
-        let r = w.save(&[5], &h5).await;
+        let r = w.save(&[id], &[hash]).await;
         (w, r)
     });
     tokio::time::sleep(Duration::from_millis(300)).await;
     assert!(!call.is_finished(), "no answer before the copy ended");
     GATE.add_permits(1);
-    let (_w, r) = call.await.unwrap();
+    let (w, r) = call.await.unwrap();
     r.expect("saved");
-    assert_eq!(resident(&srv).await, 1);
-    srv.shutdown().await;
+    w
 }

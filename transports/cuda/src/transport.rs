@@ -986,15 +986,7 @@ impl Worker {
             started: std::time::Instant::now(),
         };
         for _ in 0..n {
-            let mut s: sys::CUstream = std::ptr::null_mut();
-            check(
-                // SAFETY: out-pointer to a live local; the context is current.
-                unsafe {
-                    sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32)
-                },
-                "cuStreamCreate",
-            )?;
-            w.streams.push(s);
+            w.streams.push(new_stream()?);
         }
         for _ in 0..n {
             w.done.push(new_event(true)?);
@@ -1012,18 +1004,7 @@ impl Worker {
             // Allocate the staging buffers up front rather than on the first batch.
             w.ensure_staging();
             if dir == Direction::ToHost {
-                let mut s: sys::CUstream = std::ptr::null_mut();
-                check(
-                    // SAFETY: out-pointer to a live local; the context is current.
-                    unsafe {
-                        sys::cuStreamCreate(
-                            &mut s,
-                            sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32,
-                        )
-                    },
-                    "cuStreamCreate",
-                )?;
-                w.gather = s;
+                w.gather = new_stream()?;
                 w.read_event = new_event(true)?;
             }
         }
@@ -1802,6 +1783,17 @@ impl Drop for Worker {
 /// offsets keep their alignment.
 fn round_up(n: u64) -> u64 {
     n.div_ceil(STAGING_ALIGN) * STAGING_ALIGN
+}
+
+/// A stream of the current context that does not synchronise with the legacy default stream.
+fn new_stream() -> Result<sys::CUstream, CudaError> {
+    let mut s: sys::CUstream = std::ptr::null_mut();
+    check(
+        // SAFETY: out-pointer to a live local; the caller's context is current.
+        unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
+        "cuStreamCreate",
+    )
+    .map(|()| s)
 }
 
 /// A timing-free event of the current context; `blocking`: a wait on it sleeps
