@@ -65,6 +65,9 @@ pub struct Metrics {
     pub save_bytes: IntCounter,
     /// Save RPC copy duration.
     pub save_duration: Histogram,
+    /// Queries that waited for an answered Save's copy past the limit (10 s) and answered
+    /// without its blocks (a wedged copy).
+    pub query_acked_wait_timeouts: IntCounter,
     /// Saves answered OK once their device memory was read (`[server] save_answer_early`)
     /// that failed afterwards, on the way to host memory: their blocks were not stored.
     pub save_late_failures: IntCounter,
@@ -423,6 +426,10 @@ impl Metrics {
             save_duration: reg!(Histogram::with_opts(
                 HistogramOpts::new("pegaflow_save_duration_seconds", "Save copy duration")
                     .buckets(exp_buckets(0.0001, 2.0, 18))
+            )),
+            query_acked_wait_timeouts: reg!(c(
+                "pegaflow_query_acked_wait_timeouts_total",
+                "Queries that gave up waiting for an answered Save's copy (10 s) and answered without its blocks"
             )),
             save_late_failures: reg!(c(
                 "pegaflow_save_late_failures_total",

@@ -184,7 +184,10 @@ impl EngineService {
         let (read, source_read) = SourceRead::new();
         let engine = self.engine.clone();
         let save = async move { engine.save(cmd).await };
-        let mut task = match (self.save_headers_early, self.save_answer_early) {
+        // A Save with a deadline is answered at its end: no listener (the engine would note
+        // it as acknowledged for nothing).
+        let answer_early = self.save_answer_early && !has_deadline;
+        let mut task = match (self.save_headers_early, answer_early) {
             (true, true) => tokio::spawn(near.scope(read.scope(save))),
             (true, false) => {
                 drop(read);

@@ -17,11 +17,16 @@
 //! Must never: let a query answer a miss for a block whose Save was answered and has not
 //! failed, or hold an entry past its Save's end.
 
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::sync::Arc;
+use std::time::Duration;
 
 use parking_lot::Mutex;
 use pegaflow_proto::HashList;
+
+/// How long a query waits for one acknowledged Save before it answers with what is indexed:
+/// 10 s, far beyond a copy's remainder (a wedged copy otherwise holds the query too).
+pub(super) const ACKED_WAIT_LIMIT: Duration = Duration::from_secs(10);
 
 /// One acknowledged Save's blocks: its namespace and, per distinct layer list, the group and
 /// the hashes (a block of the Save is any hash of these lists; blocks already resident are
@@ -29,16 +34,25 @@ use pegaflow_proto::HashList;
 pub(super) struct AckedSave {
     ns: Arc<str>,
     lists: Vec<(u32, HashList)>,
+    /// Set by [`AckedSaves::leave`]: the Save queued its seal or failed. An entry that ended
+    /// is never entered again (a signal fired late).
+    ended: AtomicBool,
 }
 
 impl AckedSave {
     /// The Save's namespace and its distinct (group, hash list) pairs.
     pub(super) fn new(ns: Arc<str>, lists: Vec<(u32, HashList)>) -> Self {
-        Self { ns, lists }
+        Self {
+            ns,
+            lists,
+            ended: AtomicBool::new(false),
+        }
     }
 
-    fn holds(&self, ns: &str, group: u32, hash: &[u8]) -> bool {
-        *self.ns == *ns
+    /// Whether the Save holds (`ns`, `group`, `hash`) and has not ended.
+    pub(super) fn pending(&self, ns: &str, group: u32, hash: &[u8]) -> bool {
+        !self.ended.load(Ordering::Acquire)
+            && *self.ns == *ns
             && self
                 .lists
                 .iter()
@@ -55,50 +69,65 @@ pub(super) struct AckedSaves {
 }
 
 impl AckedSaves {
-    /// Notes `save` as acknowledged (called from the transport's thread, before the answer).
+    /// Notes `save` as acknowledged (called from the transport's thread, before the answer);
+    /// nothing once it has ended.
     pub(super) fn enter(&self, save: Arc<AckedSave>) {
         let mut l = self.list.lock();
+        if save.ended.load(Ordering::Acquire) {
+            return;
+        }
         l.push(save);
         self.len.store(l.len(), Ordering::Release);
     }
 
     /// Ends `save`'s window (its seal is queued, or it failed); wakes the queries waiting.
-    /// Does nothing for a Save never entered.
     pub(super) fn leave(&self, save: &Arc<AckedSave>) {
         {
             let mut l = self.list.lock();
-            let before = l.len();
+            save.ended.store(true, Ordering::Release);
             l.retain(|s| !Arc::ptr_eq(s, save));
-            if l.len() == before {
-                return;
-            }
             self.len.store(l.len(), Ordering::Release);
         }
         self.ended.notify_waiters();
     }
 
-    /// Whether an acknowledged Save in flight holds (`ns`, `group`, `hash`): one atomic load
-    /// when none is in flight.
-    pub(super) fn holds(&self, ns: &str, group: u32, hash: &[u8]) -> bool {
+    /// The Saves acknowledged so far and not ended: one atomic load when there are none. A
+    /// query takes it before its seal barrier: every Save answered before the query arrived is
+    /// in it, or has queued its seal already (which the barrier then waits for).
+    pub(super) fn snapshot(&self) -> Vec<Arc<AckedSave>> {
         if self.len.load(Ordering::Acquire) == 0 {
-            return false;
+            return Vec::new();
         }
-        self.list.lock().iter().any(|s| s.holds(ns, group, hash))
+        self.list.lock().clone()
     }
 
-    /// Waits until no acknowledged Save in flight holds (`ns`, `group`, `hash`).
-    pub(super) async fn wait_for(&self, ns: &str, group: u32, hash: &[u8]) {
-        loop {
-            let ended = self.ended.notified();
-            tokio::pin!(ended);
-            // Registered before the check: a leave() in between still wakes this wait.
-            ended.as_mut().enable();
-            if !self.holds(ns, group, hash) {
-                return;
+    /// Waits until `save` has ended, at most [`ACKED_WAIT_LIMIT`]; false when the limit
+    /// passed first.
+    pub(super) async fn wait_ended(&self, save: &AckedSave) -> bool {
+        let wait = async {
+            loop {
+                let ended = self.ended.notified();
+                tokio::pin!(ended);
+                // Registered before the check: a leave() in between still wakes this wait.
+                ended.as_mut().enable();
+                if save.ended.load(Ordering::Acquire) {
+                    return;
+                }
+                ended.await;
             }
-            ended.await;
-        }
+        };
+        tokio::time::timeout(ACKED_WAIT_LIMIT, wait).await.is_ok()
     }
+}
+
+/// The first Save of `snapshot` still in flight that holds (`ns`, `group`, `hash`).
+pub(super) fn pending_in<'a>(
+    snapshot: &'a [Arc<AckedSave>],
+    ns: &str,
+    group: u32,
+    hash: &[u8],
+) -> Option<&'a Arc<AckedSave>> {
+    snapshot.iter().find(|s| s.pending(ns, group, hash))
 }
 
 #[cfg(test)]
@@ -115,30 +144,34 @@ mod tests {
 
     #[tokio::test]
     async fn a_query_waits_only_for_an_acknowledged_save_that_holds_its_hash() {
-        let a = AckedSaves::default();
+        let a = Arc::new(AckedSaves::default());
         let s = Arc::new(AckedSave::new("ns".into(), vec![(0, list(&[b"x", b"y"]))]));
-        assert!(!a.holds("ns", 0, b"x"), "nothing entered yet");
+        assert!(a.snapshot().is_empty(), "nothing entered yet");
         a.enter(s.clone());
-        assert!(a.holds("ns", 0, b"y"));
-        assert!(!a.holds("ns", 1, b"y"), "another group");
-        assert!(!a.holds("other", 0, b"y"), "another namespace");
-        assert!(!a.holds("ns", 0, b"z"), "another hash");
-        // Not held: returns at once.
-        a.wait_for("ns", 0, b"z").await;
-        let a = Arc::new(a);
+        let snap = a.snapshot();
+        assert!(pending_in(&snap, "ns", 0, b"y").is_some());
+        assert!(pending_in(&snap, "ns", 1, b"y").is_none(), "another group");
+        assert!(
+            pending_in(&snap, "other", 0, b"y").is_none(),
+            "another namespace"
+        );
+        assert!(pending_in(&snap, "ns", 0, b"z").is_none(), "another hash");
         let w = {
-            let a = a.clone();
-            tokio::spawn(async move { a.wait_for("ns", 0, b"x").await })
+            let (a, s) = (a.clone(), s.clone());
+            tokio::spawn(async move { a.wait_ended(&s).await })
         };
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
         assert!(!w.is_finished(), "waits while the Save is in flight");
-        a.leave(&Arc::new(AckedSave::new("ns".into(), vec![]))); // never entered: no effect
-        assert!(a.holds("ns", 0, b"x"));
         a.leave(&s);
-        tokio::time::timeout(std::time::Duration::from_secs(5), w)
+        let ended = tokio::time::timeout(std::time::Duration::from_secs(5), w)
             .await
             .expect("woken when the Save left")
             .unwrap();
-        assert!(!a.holds("ns", 0, b"x"));
+        assert!(ended);
+        assert!(pending_in(&snap, "ns", 0, b"x").is_none(), "ended");
+        assert!(a.snapshot().is_empty());
+        // A signal that fires after the Save ended enters nothing.
+        a.enter(s.clone());
+        assert!(a.snapshot().is_empty());
     }
 }

@@ -6,6 +6,9 @@
 //! Owns the query answer and its metrics. Must never: lease a block of another namespace,
 //! mint a lease for a miss, or start promotion I/O itself (the tier stack does, once per query).
 
+use std::sync::Arc;
+
+use super::acked::{self, AckedSave};
 use super::command::{QueryAnswer, QueryCommand};
 use super::instance::Instance;
 use super::Engine;
@@ -25,21 +28,45 @@ impl Engine {
     /// FAILED_PRECONDITION; empty hash list → a miss.
     pub async fn query(&self, req: QueryCommand) -> EngineResult<QueryAnswer> {
         let inst = self.instance(&req.instance_id)?;
+        // Saves answered before their copy ended, taken before the barrier: every Save
+        // answered before this query is in it, or has queued its seal (`acked`).
+        let acked = self.acked.snapshot();
         // Every Save that answered before this query is sealed and indexed first.
         self.sealer.settle().await;
         if req.hashes.is_empty() {
             return Ok(QueryAnswer::miss());
         }
         if req.group_id == 0 {
-            self.query_prefix(&inst, &req).await
+            self.query_prefix(&inst, &req, acked).await
         } else {
-            self.query_membership(&inst, &req).await
+            self.query_membership(&inst, &req, acked).await
         }
+    }
+
+    /// Waits for `save` (an acknowledged Save of `acked` holding a block the query misses)
+    /// to end, then for the seals queued meanwhile; drops it from `acked`, so that each is
+    /// waited for at most once. A wait past [`acked::ACKED_WAIT_LIMIT`] is logged and
+    /// counted, and the query answers with what is indexed.
+    async fn await_acked(&self, acked: &mut Vec<Arc<AckedSave>>, save: Arc<AckedSave>) {
+        if !self.acked.wait_ended(&save).await {
+            self.metrics.query_acked_wait_timeouts.inc();
+            tracing::warn!(
+                limit_s = acked::ACKED_WAIT_LIMIT.as_secs(),
+                "a query waited for an answered Save's copy past the limit; it answers without its blocks"
+            );
+        }
+        acked.retain(|s| !Arc::ptr_eq(s, &save));
+        self.sealer.settle().await;
     }
 
     /// Group 0: the longest cached prefix, through the tier stack (which answers Loading
     /// while it promotes a continuation from below DRAM); the hits are leased.
-    async fn query_prefix(&self, inst: &Instance, req: &QueryCommand) -> EngineResult<QueryAnswer> {
+    async fn query_prefix(
+        &self,
+        inst: &Instance,
+        req: &QueryCommand,
+        mut acked: Vec<Arc<AckedSave>>,
+    ) -> EngineResult<QueryAnswer> {
         // Blocks below DRAM of another slot layout (another model sharing the namespace, a
         // record from an older deployment) are a miss for this instance.
         let expect = inst
@@ -55,16 +82,19 @@ impl Engine {
                 .await;
             // The prefix stops at a block whose Save was answered before its copy ended:
             // wait for that Save's seal, then look again (`acked`).
-            if let PrefixAnswer::Ready(hits) = &answer {
-                if let Some(next) = req.hashes.get(hits.len()) {
-                    if self.acked.holds(&inst.namespace, 0, next) {
-                        self.acked.wait_for(&inst.namespace, 0, next).await;
-                        self.sealer.settle().await;
-                        continue;
-                    }
-                }
-            }
-            break answer;
+            let pending = match &answer {
+                PrefixAnswer::Ready(hits) => req
+                    .hashes
+                    .get(hits.len())
+                    .and_then(|next| acked::pending_in(&acked, &inst.namespace, 0, next))
+                    .cloned(),
+                PrefixAnswer::Loading => None,
+            };
+            let Some(save) = pending else {
+                break answer;
+            };
+            drop(answer);
+            self.await_acked(&mut acked, save).await;
         };
         let hits = match hits {
             PrefixAnswer::Ready(hits) => hits,
@@ -124,6 +154,7 @@ impl Engine {
         &self,
         inst: &Instance,
         req: &QueryCommand,
+        mut acked: Vec<Arc<AckedSave>>,
     ) -> EngineResult<QueryAnswer> {
         let ns: &str = &inst.namespace;
         // Membership (group > 0) needs the sealed topology to know the group.
@@ -154,14 +185,14 @@ impl Engine {
             let pending = found
                 .iter()
                 .zip(req.hashes.iter())
-                .find(|(b, h)| b.is_none() && self.acked.holds(ns, req.group_id, h));
-            match pending {
-                Some((_, h)) => {
-                    self.acked.wait_for(ns, req.group_id, h).await;
-                    self.sealer.settle().await;
-                }
-                None => break found,
-            }
+                .filter(|(b, _)| b.is_none() && !acked.is_empty())
+                .find_map(|(_, h)| acked::pending_in(&acked, ns, req.group_id, h))
+                .cloned();
+            let Some(save) = pending else {
+                break found;
+            };
+            drop(found);
+            self.await_acked(&mut acked, save).await;
         };
         for (i, b) in found.into_iter().enumerate() {
             if let Some(b) = b {

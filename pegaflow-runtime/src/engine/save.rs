@@ -271,14 +271,17 @@ impl Engine {
             let read = SourceRead::chained(move || all.enter(entered), then);
             (save, read)
         });
-        let copy = self.copy_to_host(&wl, &plan, bufs);
-        let bufs = match &acked {
-            Some((_, read)) => read.clone().scope(copy).await,
-            None => copy.await,
+        // The window ends when this guard drops: after the seal is queued below, or when the
+        // Save fails or is dropped (a signal fired after that enters nothing).
+        let (_left, read) = match acked {
+            Some((save, read)) => (Some(LeaveOnDrop(self.acked.clone(), save)), Some(read)),
+            None => (None, None),
         };
-        // The seal is queued below (or the Save failed here): the window ends after that.
-        let _left = acked.map(|(save, _)| LeaveOnDrop(self.acked.clone(), save));
-        let bufs = bufs?;
+        let copy = self.copy_to_host(&wl, &plan, bufs);
+        let bufs = match read {
+            Some(read) => read.scope(copy).await?,
+            None => copy.await?,
+        };
         clock.lap(phases.save(SavePhase::Copy));
         let slots = match plan.fill {
             Fill::Uniform(layers) => {

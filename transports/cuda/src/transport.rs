@@ -1004,8 +1004,26 @@ impl Worker {
             // Allocate the staging buffers up front rather than on the first batch.
             w.ensure_staging();
             if dir == Direction::ToHost {
-                w.gather = new_stream()?;
-                w.read_event = new_event(true)?;
+                // Without them, gathers run on the copy streams and the source-read signal
+                // never fires (Saves are answered at their end).
+                match (new_stream(), new_event(true)) {
+                    (Ok(s), Ok(e)) => (w.gather, w.read_event) = (s, e),
+                    (s, e) => {
+                        tracing::warn!(
+                            ordinal,
+                            "no gather stream for the device to host worker; Saves are answered when copied"
+                        );
+                        // SAFETY: made just now in this worker's context, never used.
+                        unsafe {
+                            if let Ok(s) = s {
+                                let _ = sys::cuStreamDestroy_v2(s);
+                            }
+                            if let Ok(e) = e {
+                                let _ = sys::cuEventDestroy_v2(e);
+                            }
+                        }
+                    }
+                }
             }
         }
         Ok(w)
@@ -1072,10 +1090,14 @@ impl Worker {
         // The batch's device memory is read long before its end: tell the listener first.
         if let Some(read) = self.source_read.take() {
             if std::mem::take(&mut self.read_recorded) {
-                let done = match poll_event(self.read_event, POLL_LIMIT) {
-                    Ok(true) => true,
-                    Ok(false) => wait_event(self.read_event).is_ok(),
-                    Err(_) => false,
+                let done = if self.cfg.wait == Wait::Sleep {
+                    wait_event(self.read_event).is_ok()
+                } else {
+                    match poll_event(self.read_event, POLL_LIMIT) {
+                        Ok(true) => true,
+                        Ok(false) => wait_event(self.read_event).is_ok(),
+                        Err(_) => false,
+                    }
                 };
                 if done {
                     read.fire();
