@@ -160,8 +160,8 @@ pub(super) fn push_merged(ops: &mut Vec<CopyOp>, op: CopyOp) {
 /// the slot.
 type ResolvedLayer<'a> = (&'a WorkerLayer, usize, usize);
 
-/// A Save's distinct (group, hash list) pairs, for [`AckedSave`]: one clone of the list when
-/// every layer carries the same one.
+/// A listed Save's distinct (group, hash list) pairs, for [`AckedSave`]: one clone per
+/// distinct list.
 fn acked_lists(saves: &[&SaveLayer], layers: &[ResolvedLayer<'_>]) -> Vec<(u32, HashList)> {
     let mut out: Vec<(u32, HashList)> = Vec::new();
     for (s, (layer, _, _)) in saves.iter().zip(layers) {
@@ -263,10 +263,15 @@ impl Engine {
         // Answered before its copy ends (the RPC layer listens for the transport's
         // SourceRead): noted as acknowledged first, so that a query waits for its blocks.
         let acked = SourceRead::current().map(|then| {
-            let save = Arc::new(AckedSave::new(
-                inst.namespace.clone(),
-                acked_lists(&saves, &layers),
-            ));
+            // A uniform Save's layers share one list of one group: no comparison needed.
+            let lists = match &plan.fill {
+                Fill::Uniform(u) => u
+                    .first()
+                    .map(|l| vec![(l.layer.group, saves[0].hashes.clone())])
+                    .unwrap_or_default(),
+                Fill::Listed { .. } => acked_lists(&saves, &layers),
+            };
+            let save = Arc::new(AckedSave::new(inst.namespace.clone(), lists));
             let (all, entered) = (self.acked.clone(), save.clone());
             let read = SourceRead::chained(move || all.enter(entered), then);
             (save, read)
