@@ -189,19 +189,14 @@ impl EngineService {
         let answer_early = self.save_answer_early && !has_deadline;
         let mut task = match (self.save_headers_early, answer_early) {
             (true, true) => tokio::spawn(near.scope(read.scope(save))),
-            (true, false) => {
-                drop(read);
-                tokio::spawn(near.scope(save))
-            }
-            (false, _) => {
-                drop(near);
-                tokio::spawn(read.scope(save))
-            }
+            (true, false) => tokio::spawn(near.scope(save)),
+            (false, true) => tokio::spawn(read.scope(save)),
+            (false, false) => tokio::spawn(save),
         };
         if has_deadline {
             return self.save_answered(t0, joined(task.await)).map(answer_now);
         }
-        // A listener not installed above is dropped unfired: its branch is disabled.
+        // A listener not installed above never fires: only the task's end answers then.
         tokio::select! {
             biased;
             r = &mut task => return self.save_answered(t0, joined(r)).map(answer_now),

@@ -182,10 +182,13 @@ impl Engine {
         // its copy ended waits for that Save's seal, and the list is looked up again.
         let found = loop {
             let found = self.store.get_touch_each(ns, req.group_id, &req.hashes);
+            if acked.is_empty() {
+                break found;
+            }
             let pending = found
                 .iter()
                 .zip(req.hashes.iter())
-                .filter(|(b, _)| b.is_none() && !acked.is_empty())
+                .filter(|(b, _)| b.is_none())
                 .find_map(|(_, h)| acked::pending_in(&acked, ns, req.group_id, h))
                 .cloned();
             let Some(save) = pending else {
