@@ -7,7 +7,10 @@
 //! `Direct` (one `cuMemcpy*Async` per merged range), `Staged` (a gather/scatter kernel into a
 //! contiguous device staging buffer, then one large copy per host run, chunk `i` on buffer and
 //! stream `i % staging_buffers`) or `Mapped` (the kernel copies straight between device memory and mapped pinned
-//! host memory); and completing each batch only after its streams synchronised.
+//! host memory); and completing each batch only after its own work on every stream ended. A
+//! device → host batch that arrives while the worker polls for the previous one's end is
+//! enqueued behind it (the `overlap` setting, [`CopyReport::overlapped`]), sharing the staging ring and the
+//! descriptor page with it, so the copy engine goes from one Save to the next with no gap.
 //!
 //! Must never: run a CUDA call on the async executor, report a batch as done before every byte
 //! moved (an error in the middle still waits for what was enqueued, then reports the error),
@@ -140,6 +143,11 @@ pub struct CopyReport {
     pub bytes: u64,
     /// Copies and kernel launches enqueued.
     pub submissions: usize,
+    /// Whether the worker started the batch while its previous batch was still copying, so
+    /// that the copy engine went from one to the other with no gap (device → host batches of
+    /// the staged kernel path under [`Wait::Tail`] and [`Wait::Spin`]: a batch that arrives
+    /// while the worker polls for the previous one's end is enqueued behind it).
+    pub overlapped: bool,
 }
 
 /// Settings of a `[[transport]] kind = "cuda"` table: what it deserialises into (unknown
@@ -186,6 +194,12 @@ pub struct CudaTransportConfig {
     /// On the H200 machine the handover to the worker fell from ~55 to ~17 µs on a 256-block
     /// Save, and 32-block Saves went from 34.3 to 34.9 GB/s (docs/BENCHMARKS.md §13).
     pub idle_poll_us: u64,
+    /// `overlap`: a device → host batch that arrives while the worker polls for the previous
+    /// one's end (under `wait = "tail"` or `"spin"`) is enqueued behind it at once, so that
+    /// the copy engine goes from one batch to the next without a gap; default true. The
+    /// staging buffers and the descriptor page are shared as one ring by the two batches.
+    /// `false` starts every batch after the previous one ended (the behaviour before).
+    pub overlap: bool,
     /// [`Wait::Tail`]'s tail ([`TAIL_BYTES`]) and mark spacing ([`MARK_BYTES`]), in bytes. Not
     /// settings: tests shrink them so that small batches take the sleeping branch too.
     #[doc(hidden)]
@@ -222,6 +236,7 @@ impl Default for CudaTransportConfig {
             blocks_per_sm: 8,
             wait: Wait::Tail,
             idle_poll_us: 3_000,
+            overlap: true,
             tail_bytes: TAIL_BYTES,
             mark_bytes: MARK_BYTES,
         }
@@ -276,6 +291,10 @@ const OPTIONS: &[PluginOption] = &[
     PluginOption {
         name: "idle_poll_us",
         help: "µs a worker polls its queue after a batch before sleeping on it (0 to 100000, default 3000): the next batch starts without a wake-up",
+    },
+    PluginOption {
+        name: "overlap",
+        help: "start a device to host batch behind the previous one while that one still copies (under wait = tail or spin), so the copy engine has no gap between Saves; default true",
     },
 ];
 
@@ -614,6 +633,7 @@ impl CudaTransport {
                 path: CopyPath::Empty,
                 bytes: 0,
                 submissions: 0,
+                overlapped: false,
             });
         }
         let tx = self.worker(ordinal, batch.direction)?;
@@ -738,23 +758,16 @@ fn worker_main(
         }
     };
     let idle_poll = Duration::from_micros(w.cfg.idle_poll_us);
-    while let Some(mut job) = next_job_preparing(&mut w, &mut rx, idle_poll) {
-        let queued_us = job.sent.elapsed().as_micros() as u64;
-        w.near_end = Some(job.near_end);
-        w.source_read = job.source_read.take();
-        let (batch, parts) = (&mut job.batch, job.parts.as_mut());
-        let r = std::panic::catch_unwind(AssertUnwindSafe(|| w.run(batch, parts, queued_us)))
-            .unwrap_or_else(|_| {
-                // Whatever was enqueued must finish before the buffers can be reused.
-                let _ = w.sync();
-                Err(CudaError("the cuda copy worker panicked".into()))
-            })
-            .map_err(|e| TransportError(format!("GPU {ordinal}: {e}")));
-        let _ = job.reply.send(r);
-        // A batch that failed before its wait never sent `near_end`: dropping it now (after
-        // the reply, so the caller finds the answer ready) wakes a caller still waiting on it.
-        w.near_end = None;
-        w.source_read = None;
+    loop {
+        // A batch started while the previous one copied comes first; it is finished next.
+        let started = match w.ahead.take() {
+            Some(s) => s,
+            None => match next_job_preparing(&mut w, &mut rx, idle_poll) {
+                Some(job) => w.start(job, false),
+                None => break,
+            },
+        };
+        w.finish(started, &mut rx);
     }
 }
 
@@ -846,6 +859,23 @@ struct StagedRun<'a> {
     submissions: usize,
 }
 
+/// A batch whose ops the worker has enqueued ([`Worker::start`]) and whose end it has not
+/// waited for yet ([`Worker::finish`]).
+struct Started {
+    /// Kept until the answer (the engine's feed may still send to a batch that failed).
+    _batch: CopyBatch,
+    _parts: Option<OpParts>,
+    reply: oneshot::Sender<Result<CopyReport, TransportError>>,
+    path: CopyPath,
+    tally: Tally,
+    /// The submissions enqueued, or what failed (what was enqueued is still waited for).
+    enqueued: Result<usize, CudaError>,
+    overlapped: bool,
+    queued_us: u64,
+    t0: std::time::Instant,
+    enqueue_time: Duration,
+}
+
 /// A device allocation owned by a worker.
 struct DevBuf {
     ptr: u64,
@@ -883,20 +913,29 @@ struct Worker {
     /// gather (an event), and a gather into staging memory still being copied out waits for
     /// that copy (events: [`Worker::ring`]).
     gather: sys::CUstream,
-    /// The running staged device → host batch's chunks whose pinned copies may still read
-    /// their staging memory: (buffer, offset, end, the event after the copies), oldest first.
-    /// A batch places its chunks one after the other through the buffers, wrapping around.
+    /// The staged device → host chunks whose pinned copies may still read their staging
+    /// memory: (buffer, offset, end, the event after the copies), oldest first. Chunks are
+    /// placed one after the other through the buffers, wrapping around, across batches while
+    /// they overlap ([`Worker::ahead`]); cleared when a batch starts after the previous ones
+    /// ended.
     ring: std::collections::VecDeque<(usize, u64, u64, sys::CUevent)>,
-    /// Where the running batch's next chunk goes: (buffer, offset).
+    /// Where the next chunk goes: (buffer, offset).
     ring_at: (usize, u64),
-    /// Events for `ring` and the gathers (two per chunk), reused by later batches;
-    /// `ring_events_used` of them taken by the running batch.
+    /// Every event made for `ring` and the gathers (destroyed with the worker), and those of
+    /// them free: an event goes back once a stream's wait on it is enqueued (a later record
+    /// does not change what that wait waits for) or its ring entry is dropped.
     ring_events: Vec<sys::CUevent>,
-    ring_events_used: usize,
+    ring_free: Vec<sys::CUevent>,
     /// Recorded on `gather` after a batch's last gather, when `source_read` is set; polled
     /// then slept on (`CU_EVENT_BLOCKING_SYNC`) by [`Worker::sync`].
     read_event: sys::CUevent,
     read_recorded: bool,
+    /// Recorded on `gather` with the streams' ends in [`Worker::sync`], to see the gathers'
+    /// errors without waiting for a later batch's gathers.
+    gather_done: sys::CUevent,
+    /// A device → host batch started while the running one was in its last part
+    /// ([`Worker::sync`] polls the queue then), to be finished next.
+    ahead: Option<Started>,
     /// The running batch's [`Job::source_read`].
     source_read: Option<SourceRead>,
     /// One staging buffer per stream.
@@ -963,9 +1002,11 @@ impl Worker {
             ring: std::collections::VecDeque::new(),
             ring_at: (0, 0),
             ring_events: Vec::new(),
-            ring_events_used: 0,
+            ring_free: Vec::new(),
             read_event: std::ptr::null_mut(),
             read_recorded: false,
+            gather_done: std::ptr::null_mut(),
+            ahead: None,
             source_read: None,
             mark_events: Vec::new(),
             enqueued: 0,
@@ -1006,21 +1047,33 @@ impl Worker {
             if dir == Direction::ToHost {
                 // Without them, gathers run on the copy streams and the source-read signal
                 // never fires (Saves are answered at their end).
-                match (new_stream(), new_event(true)) {
-                    (Ok(s), Ok(e)) => (w.gather, w.read_event) = (s, e),
-                    (s, e) => {
-                        tracing::warn!(
-                            ordinal,
-                            "no gather stream for the device to host worker; Saves are answered when copied"
-                        );
-                        // SAFETY: made just now in this worker's context, never used.
-                        unsafe {
-                            if let Ok(s) = s {
-                                let _ = sys::cuStreamDestroy_v2(s);
+                let made = (|| -> Result<(), CudaError> {
+                    w.gather = new_stream()?;
+                    w.read_event = new_event(true)?;
+                    w.gather_done = new_event(false)?;
+                    Ok(())
+                })();
+                if let Err(e) = made {
+                    tracing::warn!(
+                        ordinal,
+                        "no gather stream for the device to host worker ({}); Saves are answered when copied",
+                        e.0
+                    );
+                    // SAFETY: made just now in this worker's context, never used.
+                    unsafe {
+                        for ev in [&mut w.read_event, &mut w.gather_done] {
+                            if !ev.is_null() {
+                                let _ = sys::cuEventDestroy_v2(std::mem::replace(
+                                    ev,
+                                    std::ptr::null_mut(),
+                                ));
                             }
-                            if let Ok(e) = e {
-                                let _ = sys::cuEventDestroy_v2(e);
-                            }
+                        }
+                        if !w.gather.is_null() {
+                            let _ = sys::cuStreamDestroy_v2(std::mem::replace(
+                                &mut w.gather,
+                                std::ptr::null_mut(),
+                            ));
                         }
                     }
                 }
@@ -1085,8 +1138,13 @@ impl Worker {
         }
     }
 
-    /// Waits for everything enqueued on every stream, as `cfg.wait` says.
-    fn sync(&mut self) -> Result<(), CudaError> {
+    /// Waits for everything the running batch enqueued, as `cfg.wait` says. While it polls
+    /// for the end (under [`Wait::Tail`] and [`Wait::Spin`]) and [`Worker::can_overlap`]
+    /// allows, a batch that arrives on `rx` is started behind the running one
+    /// ([`Worker::ahead`]): the copy engine then goes from one to the other without the
+    /// worker's answer, wake-up and planning in between. Every stream's end is recorded
+    /// before that, so this waits for the running batch's own work only.
+    fn sync(&mut self, mut rx: Option<&mut mpsc::Receiver<Job>>) -> Result<(), CudaError> {
         // The batch's device memory is read long before its end: tell the listener first.
         if let Some(read) = self.source_read.take() {
             if std::mem::take(&mut self.read_recorded) {
@@ -1128,25 +1186,33 @@ impl Worker {
             }
         }
         self.marks.clear();
-        let mut first = Ok(());
-        for k in 0..self.streams.len() {
+        // Every stream's end first: a batch started while polling goes after these records.
+        let n = self.streams.len();
+        let mut recorded = [false; 8];
+        for (k, rec) in recorded.iter_mut().enumerate().take(n) {
             let (polled, done, stream) = (self.polled[k], self.done[k], self.streams[k]);
-            let r = (|| {
-                if let Some(limit) = poll {
-                    record(polled, stream)?;
-                    // The event to sleep on if polling runs out.
-                    record(done, stream)?;
-                    if poll_event(polled, limit)? {
-                        return Ok(());
-                    }
-                } else {
-                    record(done, stream)?;
+            *rec =
+                (poll.is_none() || record(polled, stream).is_ok()) && record(done, stream).is_ok();
+        }
+        let gather_recorded =
+            !self.gather.is_null() && record(self.gather_done, self.gather).is_ok();
+        let mut first = Ok(());
+        for (k, &rec) in recorded.iter().enumerate().take(n) {
+            let (polled, done) = (self.polled[k], self.done[k]);
+            let r = if rec {
+                match poll {
+                    Some(limit) => match self.poll_end(polled, limit, &mut rx) {
+                        Ok(true) => Ok(()),
+                        Ok(false) | Err(_) => wait_event(done),
+                    },
+                    None => wait_event(done),
                 }
-                wait_event(done)
-            })()
-            .or_else(|_| {
+            } else {
+                Err(CudaError("no end recorded".into()))
+            };
+            let r = r.or_else(|_| {
                 // SAFETY: a stream of this worker's context (current); the fallback when
-                // recording or waiting failed.
+                // recording or waiting failed (it also waits for a batch started ahead).
                 check(
                     unsafe { sys::cuStreamSynchronize(self.streams[k]) },
                     "cuStreamSynchronize",
@@ -1158,11 +1224,15 @@ impl Worker {
         }
         if !self.gather.is_null() {
             // Done by now (every copy waited for its gather); checked for its errors.
-            // SAFETY: a stream of this worker's context (current).
-            let r = check(
-                unsafe { sys::cuStreamSynchronize(self.gather) },
-                "cuStreamSynchronize",
-            );
+            let r = if gather_recorded {
+                wait_event(self.gather_done)
+            } else {
+                // SAFETY: a stream of this worker's context (current).
+                check(
+                    unsafe { sys::cuStreamSynchronize(self.gather) },
+                    "cuStreamSynchronize",
+                )
+            };
             if first.is_ok() {
                 first = r;
             }
@@ -1170,49 +1240,182 @@ impl Worker {
         first
     }
 
-    /// Runs one batch: its own ops, then each part of `parts` as it arrives (the path is
-    /// chosen on the first non-empty ops), then waits for all of it.
-    fn run(
+    /// [`poll_event`] for a stream's end that, between queries, starts a batch arriving on
+    /// `rx` behind the running one when [`Worker::can_overlap`] allows (one at a time).
+    fn poll_end(
+        &mut self,
+        ev: sys::CUevent,
+        limit: Duration,
+        rx: &mut Option<&mut mpsc::Receiver<Job>>,
+    ) -> Result<bool, CudaError> {
+        let start = std::time::Instant::now();
+        loop {
+            // SAFETY: an event of this worker's context (current), recorded on one of its
+            // streams.
+            match unsafe { sys::cuEventQuery(ev) } {
+                sys::CUresult::CUDA_SUCCESS => return Ok(true),
+                sys::CUresult::CUDA_ERROR_NOT_READY => {}
+                e => return check(e, "cuEventQuery").map(|()| true),
+            }
+            let waited = start.elapsed();
+            if waited >= limit {
+                return Ok(false);
+            }
+            if self.ahead.is_none() && self.can_overlap() {
+                if let Some(job) = rx.as_deref_mut().and_then(|rx| rx.try_recv().ok()) {
+                    let started = self.start(job, true);
+                    self.ahead = Some(started);
+                    continue;
+                }
+            }
+            if waited > Duration::from_millis(1) {
+                std::thread::yield_now();
+            } else {
+                std::hint::spin_loop();
+            }
+        }
+    }
+
+    /// Whether a batch may start while the running one is still in flight: device → host
+    /// (the staged and direct paths; not under `kernel_path = "mapped"`, whose one descriptor
+    /// buffer each batch rewrites), with at least half of the descriptor page left, so that
+    /// the overlapped batch seldom adds a page (one larger than that does; a batch that starts
+    /// after every earlier one ended rewinds the page, or folds the pages into one).
+    fn can_overlap(&self) -> bool {
+        let (page, off) = self.desc_cursor;
+        self.cfg.overlap
+            && self.dir == Direction::ToHost
+            && self.cfg.kernel_path == KernelPath::Staged
+            && self
+                .desc_pages
+                .get(page)
+                .is_none_or(|p| page + 1 == self.desc_pages.len() && off <= p.cap / 2)
+    }
+
+    /// Waits for all work on every stream of the worker, whatever batch it belongs to: the
+    /// fallback after a panic, and at drop.
+    fn sync_everything(&mut self) {
+        for s in self.streams.iter().chain([&self.gather]) {
+            if !s.is_null() {
+                // SAFETY: a stream of this worker's context (current on its thread).
+                let _ = unsafe { sys::cuStreamSynchronize(*s) };
+            }
+        }
+    }
+
+    /// Enqueues `job`'s batch ([`Worker::enqueue`]), catching a panic (what was enqueued is
+    /// still waited for by [`Worker::finish`]). `overlapped`: the previous batch is still in
+    /// flight.
+    fn start(&mut self, job: Job, overlapped: bool) -> Started {
+        let Job {
+            mut batch,
+            mut parts,
+            reply,
+            near_end,
+            source_read,
+            sent,
+        } = job;
+        let queued_us = sent.elapsed().as_micros() as u64;
+        self.near_end = Some(near_end);
+        self.source_read = source_read;
+        let t0 = std::time::Instant::now();
+        let mut tally = Tally::default();
+        let (path, enqueued) = std::panic::catch_unwind(AssertUnwindSafe(|| {
+            self.enqueue(&mut batch, parts.as_mut(), overlapped, &mut tally)
+        }))
+        .unwrap_or_else(|_| {
+            (
+                CopyPath::Empty,
+                Err(CudaError("the cuda copy worker panicked".into())),
+            )
+        });
+        Started {
+            _batch: batch,
+            _parts: parts,
+            reply,
+            path,
+            tally,
+            enqueued,
+            overlapped,
+            queued_us,
+            t0,
+            enqueue_time: t0.elapsed(),
+        }
+    }
+
+    /// Enqueues one batch: its own ops, then each part of `parts` as it arrives (the path is
+    /// chosen on the first non-empty ops). `overlapped`: the previous batch is still in
+    /// flight, so the staging ring and the descriptor page go on from where it left them.
+    /// Returns the path and the submissions enqueued, or what failed.
+    fn enqueue(
         &mut self,
         batch: &mut CopyBatch,
         mut parts: Option<&mut OpParts>,
-        queued_us: u64,
-    ) -> Result<CopyReport, CudaError> {
-        let t0 = std::time::Instant::now();
+        overlapped: bool,
+        tally: &mut Tally,
+    ) -> (CopyPath, Result<usize, CudaError>) {
         (self.enqueued, self.since_mark) = (0, 0);
         self.marks.clear();
-        // The previous batch synchronised: no staging memory is being copied out.
-        self.ring.clear();
-        self.ring_at = (0, 0);
-        self.ring_events_used = 0;
+        if !overlapped {
+            // Every earlier batch ended: no staging memory is being copied out.
+            let free = self.ring.drain(..).map(|(.., ev)| ev);
+            self.ring_free.extend(free);
+            self.ring_at = (0, 0);
+        }
         self.read_recorded = false;
-        let mut tally = Tally::default();
         let mut first = std::mem::take(&mut batch.ops);
         if first.is_empty() {
-            first = next_part(&mut parts, &mut Tally::default())?.unwrap_or_default();
+            match next_part(&mut parts, &mut Tally::default()) {
+                Ok(p) => first = p.unwrap_or_default(),
+                Err(e) => return (CopyPath::Empty, Err(e)),
+            }
         }
         if self.cfg.kernel_path == KernelPath::Mapped {
             // The mapped path needs every op to decide: gather the parts first.
-            while let Some(more) = next_part(&mut parts, &mut Tally::default())? {
-                first.extend_from_slice(&more);
+            loop {
+                match next_part(&mut parts, &mut Tally::default()) {
+                    Ok(Some(more)) => first.extend_from_slice(&more),
+                    Ok(None) => break,
+                    Err(e) => return (CopyPath::Empty, Err(e)),
+                }
             }
         }
         tally.add(&first);
         let path = self.choose(batch.mode, &first);
         let r = match path {
             CopyPath::Direct | CopyPath::Empty => self.direct(&first).and_then(|mut n| {
-                while let Some(ops) = next_part(&mut parts, &mut tally)? {
+                while let Some(ops) = next_part(&mut parts, tally)? {
                     n += self.direct(&ops)?;
                 }
                 Ok(n)
             }),
-            CopyPath::Staged => self.staged(&first, &mut parts, &mut tally),
+            CopyPath::Staged => self.staged(&first, &mut parts, tally, overlapped),
             CopyPath::Mapped => self.mapped_copy(&first),
         };
-        let enqueued = t0.elapsed();
+        (path, r)
+    }
+
+    /// Waits for `s`'s end (a batch arriving meanwhile may start behind it:
+    /// [`Worker::sync`]), logs it and answers.
+    fn finish(&mut self, s: Started, rx: &mut mpsc::Receiver<Job>) {
         // Always wait for what was enqueued, success or not: the host buffers and the mapping
         // may be released as soon as we answer.
-        let s = self.sync();
+        let synced = std::panic::catch_unwind(AssertUnwindSafe(|| self.sync(Some(&mut *rx))))
+            .unwrap_or_else(|_| {
+                self.sync_everything();
+                Err(CudaError("the cuda copy worker panicked".into()))
+            });
+        let Started {
+            reply,
+            path,
+            tally,
+            enqueued,
+            overlapped,
+            queued_us,
+            t0,
+            enqueue_time,
+            ..
+        } = s;
         tracing::debug!(
             ordinal = self.ordinal,
             dir = ?self.dir,
@@ -1220,19 +1423,31 @@ impl Worker {
             ops = tally.ops,
             parts = tally.parts,
             bytes = tally.bytes,
+            overlapped,
             queued_us,
-            enqueue_us = enqueued.as_micros() as u64,
+            enqueue_us = enqueue_time.as_micros() as u64,
             total_us = t0.elapsed().as_micros() as u64,
-            submissions = r.as_ref().copied().unwrap_or(0),
+            submissions = enqueued.as_ref().copied().unwrap_or(0),
             "copy batch"
         );
-        let submissions = r?;
-        s?;
-        Ok(CopyReport {
-            path,
-            bytes: tally.bytes,
-            submissions,
-        })
+        let r = enqueued
+            .and_then(|submissions| {
+                synced.map(|()| CopyReport {
+                    path,
+                    bytes: tally.bytes,
+                    submissions,
+                    overlapped,
+                })
+            })
+            .map_err(|e| TransportError(format!("GPU {}: {e}", self.ordinal)));
+        let _ = reply.send(r);
+        if self.ahead.is_none() {
+            // A batch that failed before its wait never sent `near_end`: dropping it now
+            // (after the reply, so the caller finds the answer ready) wakes a caller still
+            // waiting on it. (With a batch started ahead, both are that batch's.)
+            self.near_end = None;
+            self.source_read = None;
+        }
     }
 
     /// The path for a batch of `mode` whose first ops are `ops`.
@@ -1453,6 +1668,7 @@ impl Worker {
         first: &[CopyOp],
         parts: &mut Option<&mut OpParts>,
         tally: &mut Tally,
+        overlapped: bool,
     ) -> Result<usize, CudaError> {
         let boundaries = self
             .pins
@@ -1463,7 +1679,9 @@ impl Worker {
             Some(bufs) => bufs.iter().map(|b| b.ptr).collect(),
             None => return Err(CudaError("no staging buffers".into())),
         };
-        self.reset_desc_pages()?;
+        if !overlapped {
+            self.reset_desc_pages()?;
+        }
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
         let mut order = std::mem::take(&mut self.order);
@@ -1569,6 +1787,8 @@ impl Worker {
                 unsafe { sys::cuStreamWaitEvent(s, gathered, 0) },
                 "cuStreamWaitEvent",
             )?;
+            // The wait is enqueued: recording the event again cannot change it.
+            self.ring_free.push(gathered);
         } else if self.dir == Direction::ToHost {
             self.launch(dev, 0, count, s)?;
         }
@@ -1636,6 +1856,7 @@ impl Worker {
                     "cuStreamWaitEvent",
                 )?;
                 self.ring.remove(i);
+                self.ring_free.push(ev);
             } else {
                 i += 1;
             }
@@ -1644,14 +1865,15 @@ impl Worker {
         Ok(bases[b] + off)
     }
 
-    /// An event for the running batch's ring (made when the batch needs more than earlier
-    /// ones did; re-recording one after its batch synchronised is safe).
+    /// A free event for the ring or a gather (made when none is free: the ring holds as many
+    /// as there are chunks whose copies no gather has waited for yet).
     fn ring_event(&mut self) -> Result<sys::CUevent, CudaError> {
-        if self.ring_events_used == self.ring_events.len() {
-            self.ring_events.push(new_event(false)?);
+        if let Some(e) = self.ring_free.pop() {
+            return Ok(e);
         }
-        self.ring_events_used += 1;
-        Ok(self.ring_events[self.ring_events_used - 1])
+        let e = new_event(false)?;
+        self.ring_events.push(e);
+        Ok(e)
     }
 
     /// Starts a batch's descriptor pages: after the previous batch synchronised, nothing
@@ -1759,13 +1981,10 @@ impl Worker {
 
 impl Drop for Worker {
     fn drop(&mut self) {
-        // A worker whose start failed midway has fewer events than streams, and nothing in
-        // flight.
-        if self.done.len() == self.streams.len() && self.polled.len() == self.streams.len() {
-            let _ = self.sync();
-        }
+        // Whatever is still enqueued (a worker whose start failed midway has nothing).
+        self.sync_everything();
         // SAFETY: everything below was created by this worker in its context (current on this
-        // thread) and nothing is in flight after sync().
+        // thread) and nothing is in flight after sync_everything().
         unsafe {
             if let Some(s) = self.staging.take() {
                 for b in &s {
@@ -1787,7 +2006,7 @@ impl Drop for Worker {
                 .chain(&self.polled)
                 .chain(&self.mark_events)
                 .chain(&self.ring_events)
-                .chain([&self.uploaded, &self.read_event])
+                .chain([&self.uploaded, &self.read_event, &self.gather_done])
                 .filter(|e| !e.is_null())
             {
                 let _ = sys::cuEventDestroy_v2(*e);
@@ -1954,6 +2173,7 @@ queue_depth = 8
 blocks_per_sm = 2
 wait = "spin"
 idle_poll_us = 3000
+overlap = false
 direct_min_bytes = "1mb""#,
         )
         .unwrap();
@@ -1970,7 +2190,10 @@ direct_min_bytes = "1mb""#,
         assert_eq!(c.direct_min_bytes, 1 << 20);
         assert_eq!(c.wait, Wait::Spin);
         assert_eq!(c.idle_poll_us, 3000);
+        assert!(!c.overlap);
+        assert!(CudaTransportConfig::default().overlap);
         for bad in [
+            "overlap = 1",
             "idle_poll_us = 100001",
             "idle_poll_us = -1",
             "wait = \"busy\"",

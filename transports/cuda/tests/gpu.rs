@@ -742,3 +742,174 @@ fn the_source_read_signal_comes_only_after_every_device_byte_was_read() {
         }
     }
 }
+
+/// Device → host batches sent back to back (all queued at once, as a stream of Saves whose
+/// answers come before their copies end) are started behind one another while the previous
+/// one still copies ([`CopyReport::overlapped`]): their staging chunks go on around the ring
+/// where the previous batch left off, and their descriptors after its own. Batches of uneven
+/// sizes (160 KiB to 6.25 MiB), every other one in parts, through 4 MiB staging (the larger
+/// batches wrap the ring and wait for earlier copies out of the memory they reuse) and
+/// through the default 64 MiB, under `wait = "tail"` with a tail shorter than most batches,
+/// `"spin"` and the direct path; every host byte is checked, and every staged batch's
+/// source-read signal fires. Under `wait = "sleep"` nothing overlaps.
+#[test]
+#[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
+fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
+    if !gpu_tests() {
+        return;
+    }
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap();
+    let small = |wait| CudaTransportConfig {
+        policy: Policy::Kernel,
+        staging_chunk: 4 << 20,
+        wait,
+        tail_bytes: 1 << 20,
+        mark_bytes: 512 << 10,
+        ..Default::default()
+    };
+    let cases = [
+        (
+            "tail, 4 MiB staging",
+            small(Wait::Tail),
+            CopyPath::Staged,
+            true,
+        ),
+        (
+            "spin, 4 MiB staging, 3 buffers",
+            CudaTransportConfig {
+                staging_buffers: 3,
+                ..small(Wait::Spin)
+            },
+            CopyPath::Staged,
+            true,
+        ),
+        (
+            "tail, 64 MiB staging",
+            CudaTransportConfig {
+                policy: Policy::Kernel,
+                ..Default::default()
+            },
+            CopyPath::Staged,
+            true,
+        ),
+        (
+            "direct",
+            CudaTransportConfig {
+                policy: Policy::Direct,
+                ..Default::default()
+            },
+            CopyPath::Direct,
+            true,
+        ),
+        ("sleep", small(Wait::Sleep), CopyPath::Staged, false),
+    ];
+    let seg = 32 << 10;
+    for (i, (name, cfg, want_path, overlaps)) in cases.into_iter().enumerate() {
+        let f = fixture(cfg, 1200 + i as u64);
+        let mut overlapped = 0;
+        for round in 0..3u64 {
+            // Host windows of uneven sizes (in 32 KiB segments), one batch each, from
+            // shuffled device segments; a few segments odd-sized at odd device offsets.
+            let mut rng = Rng(31 * (i as u64 + 1) + round);
+            let mut batches = Vec::new();
+            let mut h = 0usize;
+            let sizes = [128usize, 37, 192, 64, 96, 5, 160, 80, 128, 33, 200, 100];
+            for &n in &sizes {
+                if h + n * seg > f.arena.len() {
+                    break;
+                }
+                let mut ops = Vec::with_capacity(n);
+                for k in 0..n {
+                    let s = rng.below((DEV_LEN / seg) as u64 - 1) as usize;
+                    let (off, len) = if k % 7 == 3 {
+                        (
+                            1 + rng.below(999) as usize,
+                            seg - 1 - rng.below(4096) as usize,
+                        )
+                    } else {
+                        (0, seg)
+                    };
+                    ops.push(CopyOp {
+                        device_addr: f.dev.ptr() + (s * seg + off) as u64,
+                        host_addr: f.arena.addr() + h,
+                        len,
+                    });
+                    h += len;
+                }
+                h = h.next_multiple_of(4096);
+                batches.push(ops);
+            }
+            // SAFETY: no copy is in flight.
+            unsafe { f.arena.bytes_mut() }.fill(0);
+            // Every other batch comes in three parts from a thread of its own, as a Save's do;
+            // each has a source-read listener.
+            let mut senders = Vec::new();
+            let mut futs = Vec::new();
+            for (j, ops) in batches.iter().enumerate() {
+                let parts = (j % 2 == 1).then(|| {
+                    let (tx, parts) = op_parts();
+                    let ops = ops.clone();
+                    senders.push(std::thread::spawn(move || {
+                        for p in ops.chunks(ops.len().div_ceil(3).max(1)) {
+                            tx.send(p.to_vec());
+                        }
+                        tx.finish();
+                    }));
+                    parts
+                });
+                let batch = CopyBatch {
+                    location: pegaflow_transport_cuda::cuda_space(0),
+                    direction: Direction::ToHost,
+                    mode: TransferMode::Kernel,
+                    ops: if parts.is_some() {
+                        Vec::new()
+                    } else {
+                        ops.clone()
+                    },
+                };
+                let (read, fired) = SourceRead::new();
+                let t = &f.transport;
+                futs.push(async move {
+                    let r = match parts {
+                        Some(p) => read.scope(t.copy_parts_with_report(batch, p)).await,
+                        None => read.scope(t.copy_with_report(batch)).await,
+                    };
+                    (r, fired.await.is_ok())
+                });
+            }
+            let reports = rt.block_on(futures::future::join_all(futs));
+            for s in senders {
+                s.join().unwrap();
+            }
+            for (r, fired) in &reports {
+                let r = r.as_ref().unwrap();
+                assert_eq!(r.path, want_path, "{name}");
+                // The staged path reads the device through its gathers and says so.
+                assert_eq!(*fired, want_path == CopyPath::Staged, "{name}: source read");
+                overlapped += usize::from(r.overlapped);
+            }
+            // SAFETY: every copy completed.
+            let host = unsafe { f.arena.bytes() };
+            let mut expect = vec![0u8; host.len()];
+            for o in batches.iter().flatten() {
+                let d = (o.device_addr - f.dev.ptr()) as usize;
+                let h = o.host_addr - f.arena.addr();
+                expect[h..h + o.len].copy_from_slice(&f.dev_data[d..d + o.len]);
+            }
+            if host != &expect[..] {
+                let bad = host.iter().zip(&expect).position(|(a, b)| a != b).unwrap();
+                panic!("{name}, round {round}: host byte {bad} differs");
+            }
+        }
+        if overlaps {
+            assert!(overlapped > 0, "{name}: no batch started behind another");
+        } else {
+            assert_eq!(overlapped, 0, "{name}: a batch overlapped under sleep");
+        }
+        eprintln!("{name}: {overlapped} of 36 batches started behind the previous one");
+    }
+}
