@@ -144,8 +144,8 @@ pub struct CopyReport {
     /// Copies and kernel launches enqueued.
     pub submissions: usize,
     /// Whether the worker started the batch while its previous batch was still copying, so
-    /// that the copy engine went from one to the other with no gap (device → host batches of
-    /// the staged kernel path under [`Wait::Tail`] and [`Wait::Spin`]: a batch that arrives
+    /// that the copy engine went from one to the other with no gap (with `overlap` on,
+    /// device → host batches under [`Wait::Tail`] and [`Wait::Spin`]: a batch that arrives
     /// while the worker polls for the previous one's end is enqueued behind it).
     pub overlapped: bool,
 }
@@ -196,9 +196,9 @@ pub struct CudaTransportConfig {
     pub idle_poll_us: u64,
     /// `overlap`: a device → host batch that arrives while the worker polls for the previous
     /// one's end (under `wait = "tail"` or `"spin"`) is enqueued behind it at once, so that
-    /// the copy engine goes from one batch to the next without a gap; default true. The
+    /// the copy engine goes from one batch to the next without a gap; default false. The
     /// staging buffers and the descriptor page are shared as one ring by the two batches.
-    /// `false` starts every batch after the previous one ended (the behaviour before).
+    /// `false` starts every batch after the previous one ended.
     pub overlap: bool,
     /// [`Wait::Tail`]'s tail ([`TAIL_BYTES`]) and mark spacing ([`MARK_BYTES`]), in bytes. Not
     /// settings: tests shrink them so that small batches take the sleeping branch too.
@@ -236,7 +236,7 @@ impl Default for CudaTransportConfig {
             blocks_per_sm: 8,
             wait: Wait::Tail,
             idle_poll_us: 3_000,
-            overlap: true,
+            overlap: false,
             tail_bytes: TAIL_BYTES,
             mark_bytes: MARK_BYTES,
         }
@@ -294,7 +294,7 @@ const OPTIONS: &[PluginOption] = &[
     },
     PluginOption {
         name: "overlap",
-        help: "start a device to host batch behind the previous one while that one still copies (under wait = tail or spin), so the copy engine has no gap between Saves; default true",
+        help: "start a device to host batch behind the previous one while that one still copies (under wait = tail or spin), so the copy engine has no gap between Saves; default false",
     },
 ];
 
@@ -2173,7 +2173,7 @@ queue_depth = 8
 blocks_per_sm = 2
 wait = "spin"
 idle_poll_us = 3000
-overlap = false
+overlap = true
 direct_min_bytes = "1mb""#,
         )
         .unwrap();
@@ -2190,8 +2190,8 @@ direct_min_bytes = "1mb""#,
         assert_eq!(c.direct_min_bytes, 1 << 20);
         assert_eq!(c.wait, Wait::Spin);
         assert_eq!(c.idle_poll_us, 3000);
-        assert!(!c.overlap);
-        assert!(CudaTransportConfig::default().overlap);
+        assert!(c.overlap);
+        assert!(!CudaTransportConfig::default().overlap);
         for bad in [
             "overlap = 1",
             "idle_poll_us = 100001",

@@ -751,7 +751,7 @@ fn the_source_read_signal_comes_only_after_every_device_byte_was_read() {
 /// batches wrap the ring and wait for earlier copies out of the memory they reuse) and
 /// through the default 64 MiB, under `wait = "tail"` with a tail shorter than most batches,
 /// `"spin"` and the direct path; every host byte is checked, and every staged batch's
-/// source-read signal fires. Under `wait = "sleep"` nothing overlaps.
+/// source-read signal fires. Under `wait = "sleep"`, or with `overlap` off, nothing overlaps.
 #[test]
 #[ignore = "GPU test: run with PEGAFLOW_GPU_TESTS=1 on a CUDA machine and --include-ignored"]
 fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
@@ -764,6 +764,7 @@ fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
         .build()
         .unwrap();
     let small = |wait| CudaTransportConfig {
+        overlap: true,
         policy: Policy::Kernel,
         staging_chunk: 4 << 20,
         wait,
@@ -790,6 +791,7 @@ fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
         (
             "tail, 64 MiB staging",
             CudaTransportConfig {
+                overlap: true,
                 policy: Policy::Kernel,
                 ..Default::default()
             },
@@ -799,6 +801,7 @@ fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
         (
             "direct",
             CudaTransportConfig {
+                overlap: true,
                 policy: Policy::Direct,
                 ..Default::default()
             },
@@ -806,6 +809,15 @@ fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
             true,
         ),
         ("sleep", small(Wait::Sleep), CopyPath::Staged, false),
+        (
+            "tail, overlap off",
+            CudaTransportConfig {
+                overlap: false,
+                ..small(Wait::Tail)
+            },
+            CopyPath::Staged,
+            false,
+        ),
     ];
     let seg = 32 << 10;
     for (i, (name, cfg, want_path, overlaps)) in cases.into_iter().enumerate() {
@@ -908,7 +920,7 @@ fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
         if overlaps {
             assert!(overlapped > 0, "{name}: no batch started behind another");
         } else {
-            assert_eq!(overlapped, 0, "{name}: a batch overlapped under sleep");
+            assert_eq!(overlapped, 0, "{name}: a batch overlapped");
         }
         eprintln!("{name}: {overlapped} of 36 batches started behind the previous one");
     }
