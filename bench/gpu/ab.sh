@@ -6,7 +6,8 @@
 # the whole machine, client included; needs root). Each entry gets its own
 # server start (16 GiB pool), then optionally the client floor (FLOOR=1), then pf_bench.py.
 # Env: BINS (default "pegaflow-server-old pegaflow-server pegaflow-server-old pegaflow-server"),
-# BATCH (Save RPC size, default 256), REPS (default 3), FLOOR (0), SRV_LOG (RUST_LOG, default info).
+# BATCH (Save RPC size, default 256), REPS (default 3), FLOOR (0), SRV_LOG (the server's --log-level: a level or filter directives such as
+# "info,pegaflow_transport_cuda=debug"; default info).
 # Prints one line per run (save and load GB/s per rep, byte-exactness, the server's mean Save
 # phases in ms, its resident and transparent-huge-page bytes) and the medians per entry; appends the raw JSON lines to $OUT/ab.jsonl.
 set -u
@@ -34,7 +35,7 @@ for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old peg
   spec=${entry#@}
   bin=${spec%%:*}; cfg=""; [ "$spec" != "$bin" ] && cfg="--config $d/${spec#*:}.toml"
   log="$logs/ab-$i.log"
-  RUST_LOG=${SRV_LOG:-info} "$d/$bin" $cfg --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb --enable-prometheus > "$log" 2>&1 & pid=$!
+  "$d/$bin" $cfg --log-level "${SRV_LOG:-info}" --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb --enable-prometheus > "$log" 2>&1 & pid=$!
   wait_health || { echo "$entry did not start"; tail -5 "$log"; stop_pid $pid; continue; }
   wait_pinned "$log"
   [ "${FLOOR:-0}" = 1 ] && python3 "$d/client_floor.py" --tag "$entry" --batch ${BATCH:-256} --rpcs 300 | tee -a "$out/ab.jsonl" | cut -c1-140
