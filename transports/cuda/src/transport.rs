@@ -1248,32 +1248,14 @@ impl Worker {
         limit: Duration,
         rx: &mut Option<&mut mpsc::Receiver<Job>>,
     ) -> Result<bool, CudaError> {
-        let start = std::time::Instant::now();
-        loop {
-            // SAFETY: an event of this worker's context (current), recorded on one of its
-            // streams.
-            match unsafe { sys::cuEventQuery(ev) } {
-                sys::CUresult::CUDA_SUCCESS => return Ok(true),
-                sys::CUresult::CUDA_ERROR_NOT_READY => {}
-                e => return check(e, "cuEventQuery").map(|()| true),
-            }
-            let waited = start.elapsed();
-            if waited >= limit {
-                return Ok(false);
-            }
+        poll_event_with(ev, limit, || {
             if self.ahead.is_none() && self.can_overlap() {
                 if let Some(job) = rx.as_deref_mut().and_then(|rx| rx.try_recv().ok()) {
                     let started = self.start(job, true);
                     self.ahead = Some(started);
-                    continue;
                 }
             }
-            if waited > Duration::from_millis(1) {
-                std::thread::yield_now();
-            } else {
-                std::hint::spin_loop();
-            }
-        }
+        })
     }
 
     /// Whether a batch may start while the running one is still in flight: device → host
@@ -2068,6 +2050,15 @@ fn wait_event(ev: sys::CUevent) -> Result<(), CudaError> {
 /// to any other runnable thread (which keeps the core busy when there is none: only
 /// [`Wait::Spin`] polls without a limit).
 fn poll_event(ev: sys::CUevent, limit: Duration) -> Result<bool, CudaError> {
+    poll_event_with(ev, limit, || {})
+}
+
+/// [`poll_event`], running `between` after each query that finds the work unfinished.
+fn poll_event_with(
+    ev: sys::CUevent,
+    limit: Duration,
+    mut between: impl FnMut(),
+) -> Result<bool, CudaError> {
     let start = std::time::Instant::now();
     loop {
         // SAFETY: an event of this worker's context (current), recorded on one of its streams.
@@ -2080,6 +2071,7 @@ fn poll_event(ev: sys::CUevent, limit: Duration) -> Result<bool, CudaError> {
         if waited >= limit {
             return Ok(false);
         }
+        between();
         if waited > Duration::from_millis(1) {
             std::thread::yield_now();
         } else {

@@ -61,6 +61,16 @@ fn block_on<F: std::future::Future>(f: F) -> F::Output {
         .block_on(f)
 }
 
+/// A two-thread runtime, for tests whose copies run next to another task (a listener, or
+/// other copies).
+fn multi_thread_runtime() -> tokio::runtime::Runtime {
+    tokio::runtime::Builder::new_multi_thread()
+        .worker_threads(2)
+        .enable_all()
+        .build()
+        .unwrap()
+}
+
 const DEV_LEN: usize = 64 << 20;
 const SLOT: usize = 64 << 10;
 
@@ -661,11 +671,7 @@ fn the_source_read_signal_comes_only_after_every_device_byte_was_read() {
     if !gpu_tests() {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = multi_thread_runtime();
     for (i, (policy, staging_chunk, fires)) in [
         (Policy::Kernel, 4u64 << 20, true),
         (Policy::Kernel, 64 << 20, true),
@@ -758,11 +764,7 @@ fn back_to_back_device_to_host_batches_overlap_and_stay_byte_exact() {
     if !gpu_tests() {
         return;
     }
-    let rt = tokio::runtime::Builder::new_multi_thread()
-        .worker_threads(2)
-        .enable_all()
-        .build()
-        .unwrap();
+    let rt = multi_thread_runtime();
     let small = |wait| CudaTransportConfig {
         overlap: true,
         policy: Policy::Kernel,
