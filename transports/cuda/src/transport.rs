@@ -863,7 +863,6 @@ struct StagedRun<'a> {
 /// waited for yet ([`Worker::finish`]).
 struct Started {
     /// Kept until the answer (the engine's feed may still send to a batch that failed).
-    _batch: CopyBatch,
     _parts: Option<OpParts>,
     reply: oneshot::Sender<Result<CopyReport, TransportError>>,
     path: CopyPath,
@@ -1144,7 +1143,7 @@ impl Worker {
     /// ([`Worker::ahead`]): the copy engine then goes from one to the other without the
     /// worker's answer, wake-up and planning in between. Every stream's end is recorded
     /// before that, so this waits for the running batch's own work only.
-    fn sync(&mut self, mut rx: Option<&mut mpsc::Receiver<Job>>) -> Result<(), CudaError> {
+    fn sync(&mut self, rx: &mut mpsc::Receiver<Job>) -> Result<(), CudaError> {
         // The batch's device memory is read long before its end: tell the listener first.
         if let Some(read) = self.source_read.take() {
             if std::mem::take(&mut self.read_recorded) {
@@ -1201,7 +1200,7 @@ impl Worker {
             let (polled, done) = (self.polled[k], self.done[k]);
             let r = if rec {
                 match poll {
-                    Some(limit) => match self.poll_end(polled, limit, &mut rx) {
+                    Some(limit) => match self.poll_end(polled, limit, rx) {
                         Ok(true) => Ok(()),
                         Ok(false) | Err(_) => wait_event(done),
                     },
@@ -1246,11 +1245,11 @@ impl Worker {
         &mut self,
         ev: sys::CUevent,
         limit: Duration,
-        rx: &mut Option<&mut mpsc::Receiver<Job>>,
+        rx: &mut mpsc::Receiver<Job>,
     ) -> Result<bool, CudaError> {
         poll_event_with(ev, limit, || {
             if self.ahead.is_none() && self.can_overlap() {
-                if let Some(job) = rx.as_deref_mut().and_then(|rx| rx.try_recv().ok()) {
+                if let Ok(job) = rx.try_recv() {
                     let started = self.start(job, true);
                     self.ahead = Some(started);
                 }
@@ -1290,7 +1289,7 @@ impl Worker {
     /// flight.
     fn start(&mut self, job: Job, overlapped: bool) -> Started {
         let Job {
-            mut batch,
+            batch,
             mut parts,
             reply,
             near_end,
@@ -1303,7 +1302,7 @@ impl Worker {
         let t0 = std::time::Instant::now();
         let mut tally = Tally::default();
         let (path, enqueued) = std::panic::catch_unwind(AssertUnwindSafe(|| {
-            self.enqueue(&mut batch, parts.as_mut(), overlapped, &mut tally)
+            self.enqueue(batch, parts.as_mut(), overlapped, &mut tally)
         }))
         .unwrap_or_else(|_| {
             (
@@ -1312,7 +1311,6 @@ impl Worker {
             )
         });
         Started {
-            _batch: batch,
             _parts: parts,
             reply,
             path,
@@ -1331,7 +1329,7 @@ impl Worker {
     /// Returns the path and the submissions enqueued, or what failed.
     fn enqueue(
         &mut self,
-        batch: &mut CopyBatch,
+        batch: CopyBatch,
         mut parts: Option<&mut OpParts>,
         overlapped: bool,
         tally: &mut Tally,
@@ -1345,7 +1343,7 @@ impl Worker {
             self.ring_at = (0, 0);
         }
         self.read_recorded = false;
-        let mut first = std::mem::take(&mut batch.ops);
+        let mut first = batch.ops;
         if first.is_empty() {
             match next_part(&mut parts, &mut Tally::default()) {
                 Ok(p) => first = p.unwrap_or_default(),
@@ -1382,8 +1380,8 @@ impl Worker {
     fn finish(&mut self, s: Started, rx: &mut mpsc::Receiver<Job>) {
         // Always wait for what was enqueued, success or not: the host buffers and the mapping
         // may be released as soon as we answer.
-        let synced = std::panic::catch_unwind(AssertUnwindSafe(|| self.sync(Some(&mut *rx))))
-            .unwrap_or_else(|_| {
+        let synced =
+            std::panic::catch_unwind(AssertUnwindSafe(|| self.sync(rx))).unwrap_or_else(|_| {
                 self.sync_everything();
                 Err(CudaError("the cuda copy worker panicked".into()))
             });
