@@ -4,17 +4,26 @@
 //! contiguous 2 MiB host buffer per block holding all layers, scattered GPU block ids. Prints one
 //! JSON line per path with save (D2H) and load (H2D) GB/s, and optionally checks every byte.
 //!
-//! Run on a GPU machine: `cuda_bench [--paths staged,mapped,direct] [--reps 3] [--verify]
-//! [--staging-mb 16] [--blocks-per-sm 8] [--pin-gib 0] [--pin-threads 1,8]`.
+//! Run on a GPU machine: `cuda_bench [--paths staged,mapped,direct,auto,bus] [--reps 3]
+//! [--verify] [--staging-mb 16] [--blocks-per-sm 8] [--pin-gib 0] [--pin-threads 1,8]
+//! [--inflight 1] [--overlap] [--wait tail|sleep|spin]`.
+//!
+//! `--inflight N` keeps up to N batches submitted at once (a Save stream as the server sees it
+//! when each Save is answered before its copy ends: the next batch waits in the worker's queue,
+//! or with `--overlap` starts behind the previous one); 1 awaits each batch before the next.
+//! Path `bus` is the reference: the same bytes in one batch of one large copy per layer
+//! (`2 × blocks × 32 KiB` each, contiguous on both sides), what one large pinned copy moves.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant};
+
+use futures::{StreamExt, TryStreamExt};
 
 use pegaflow_api::TransferMode;
 use pegaflow_runtime::{CopyBatch, CopyOp, Direction, RuntimeContext, Transport};
 use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::{
-    driver, CopyPath, CudaTransport, CudaTransportConfig, KernelPath, Policy,
+    driver, CopyPath, CudaTransport, CudaTransportConfig, KernelPath, Policy, Wait,
 };
 
 const SEG: usize = 32 << 10;
@@ -31,6 +40,9 @@ struct Args {
     pin_gib: usize,
     pin_threads: Vec<usize>,
     blocks_per_sm: u32,
+    inflight: usize,
+    overlap: bool,
+    wait: Wait,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -46,6 +58,9 @@ fn args() -> anyhow::Result<Args> {
         pin_gib: 0,
         pin_threads: vec![8],
         blocks_per_sm: CudaTransportConfig::default().blocks_per_sm,
+        inflight: 1,
+        overlap: false,
+        wait: CudaTransportConfig::default().wait,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -70,10 +85,20 @@ fn args() -> anyhow::Result<Args> {
             }
             "--blocks-per-sm" => a.blocks_per_sm = v()?.parse()?,
             "--verify" => a.verify = true,
+            "--inflight" => a.inflight = v()?.parse()?,
+            "--overlap" => a.overlap = true,
+            "--wait" => {
+                a.wait = match v()?.as_str() {
+                    "tail" => Wait::Tail,
+                    "sleep" => Wait::Sleep,
+                    "spin" => Wait::Spin,
+                    w => anyhow::bail!("unknown wait {w} (tail, sleep or spin)"),
+                }
+            }
             _ => anyhow::bail!("unknown argument {k}"),
         }
     }
-    anyhow::ensure!(a.blocks <= a.gpu_blocks && a.batch > 0 && a.layers > 0);
+    anyhow::ensure!(a.blocks <= a.gpu_blocks && a.batch > 0 && a.layers > 0 && a.inflight > 0);
     Ok(a)
 }
 
@@ -165,6 +190,7 @@ fn main() -> anyhow::Result<()> {
             "mapped" => (Policy::Kernel, KernelPath::Mapped),
             "direct" => (Policy::Direct, KernelPath::Staged),
             "auto" => (Policy::Auto, KernelPath::Staged),
+            "bus" => (Policy::Direct, KernelPath::Staged),
             p => anyhow::bail!("unknown path {p}"),
         };
         let arena = Arc::new(HostArena::new(a.blocks * block_host)?);
@@ -174,6 +200,8 @@ fn main() -> anyhow::Result<()> {
             kernel_path,
             staging_chunk: a.staging_mb << 20,
             blocks_per_sm: a.blocks_per_sm,
+            overlap: a.overlap,
+            wait: a.wait,
             ..Default::default()
         };
         let t0 = Instant::now();
@@ -197,41 +225,70 @@ fn main() -> anyhow::Result<()> {
             }
             ops
         };
-        let run = |direction: Direction, ids: &[usize]| -> anyhow::Result<(f64, CopyPath)> {
+        let bus = path == "bus";
+        // `bus`: one op per layer, `2 × blocks` segments of it, contiguous on both sides.
+        let bus_ops = || -> Vec<CopyOp> {
+            let len = 2 * a.blocks * SEG;
+            (0..a.layers)
+                .map(|l| CopyOp {
+                    device_addr: layers[l].ptr(),
+                    host_addr: arena.addr() + l * len,
+                    len,
+                })
+                .collect()
+        };
+        // Returns GB/s, the path the last batch ran and how many batches started behind the
+        // previous one's copy.
+        let run = |direction: Direction, ids: &[usize]| -> anyhow::Result<(f64, CopyPath, usize)> {
+            let batches: Vec<Vec<CopyOp>> = if bus {
+                vec![bus_ops()]
+            } else {
+                (0..a.blocks)
+                    .step_by(a.batch)
+                    .map(|first| ops_for(first, &ids[first..(first + a.batch).min(a.blocks)]))
+                    .collect()
+            };
             let t0 = Instant::now();
-            let mut last = CopyPath::Empty;
-            for first in (0..a.blocks).step_by(a.batch) {
-                let end = (first + a.batch).min(a.blocks);
-                let rep = rt
-                    .block_on(t.copy_with_report(CopyBatch {
-                        location: pegaflow_transport_cuda::cuda_space(0),
-                        direction,
-                        mode: TransferMode::Kernel,
-                        ops: ops_for(first, &ids[first..end]),
-                    }))
-                    .map_err(|e| anyhow::anyhow!("{e}"))?;
-                last = rep.path;
-            }
-            Ok((total / t0.elapsed().as_secs_f64() / 1e9, last))
+            let reports: Vec<_> = rt
+                .block_on(
+                    futures::stream::iter(batches)
+                        .map(|ops| {
+                            t.copy_with_report(CopyBatch {
+                                location: pegaflow_transport_cuda::cuda_space(0),
+                                direction,
+                                mode: TransferMode::Kernel,
+                                ops,
+                            })
+                        })
+                        .buffered(a.inflight)
+                        .try_collect(),
+                )
+                .map_err(|e| anyhow::anyhow!("{e}"))?;
+            let secs = t0.elapsed().as_secs_f64();
+            let last = reports.last().map_or(CopyPath::Empty, |r| r.path);
+            let overlapped = reports.iter().filter(|r| r.overlapped).count();
+            Ok((total / secs / 1e9, last, overlapped))
         };
         let mut saves = Vec::new();
         let mut loads = Vec::new();
         let mut ran = CopyPath::Empty;
+        let mut overlapped = 0;
         for _ in 0..a.reps.max(1) {
-            let (g, p) = run(Direction::ToHost, &src)?;
+            let (g, p, o) = run(Direction::ToHost, &src)?;
             saves.push(g);
             ran = p;
-            let (g, _) = run(Direction::ToDevice, &dst)?;
+            overlapped += o;
+            let (g, _, _) = run(Direction::ToDevice, &dst)?;
             loads.push(g);
         }
         let mut exact = serde_free_bool(None);
-        if a.verify {
+        if a.verify && !bus {
             exact = serde_free_bool(Some(verify(&a, &arena, &layers, &images, &src, &dst)?));
         }
         saves.sort_by(f64::total_cmp);
         loads.sort_by(f64::total_cmp);
         println!(
-            "{{\"path\":\"{path}\",\"ran\":\"{ran:?}\",\"bytes\":{total},\"reps\":{},\"save_gbps_median\":{:.1},\"save_gbps_best\":{:.1},\"load_gbps_median\":{:.1},\"load_gbps_best\":{:.1},\"pin_s\":{pin_s:.2},\"staging_mb\":{},\"blocks_per_sm\":{},\"byte_exact\":{exact}}}",
+            "{{\"path\":\"{path}\",\"ran\":\"{ran:?}\",\"bytes\":{total},\"reps\":{},\"save_gbps_median\":{:.1},\"save_gbps_best\":{:.1},\"load_gbps_median\":{:.1},\"load_gbps_best\":{:.1},\"pin_s\":{pin_s:.2},\"staging_mb\":{},\"blocks_per_sm\":{},\"batch\":{},\"inflight\":{},\"overlap\":{},\"wait\":\"{:?}\",\"save_batches_overlapped\":{overlapped},\"byte_exact\":{exact}}}",
             saves.len(),
             saves[saves.len() / 2],
             saves[saves.len() - 1],
@@ -239,6 +296,10 @@ fn main() -> anyhow::Result<()> {
             loads[loads.len() - 1],
             a.staging_mb,
             a.blocks_per_sm,
+            if bus { a.blocks } else { a.batch },
+            a.inflight,
+            a.overlap,
+            a.wait,
         );
         drop(t);
         drop(arena);
