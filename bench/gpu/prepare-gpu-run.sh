@@ -15,7 +15,7 @@ if ! ls .gpu/pegaflow_llm_cu13-0.25.1-cp312-*.whl >/dev/null 2>&1; then
 fi
 cp "$here/pf_bench.py" "$here/client_floor.py" "$here/hold_cpu_latency.py" "$here/staging_probe.py" "$here/gpu-run.sh" "$here/staging-sweep.sh" \
   "$here/ab.sh" "$here/save-trace.sh" "$here/first-rep.sh" "$here/save_trace.py" "$here/save_trace_report.py" "$here/pool_numa.py" "$here/floor-torch.sh" "$here/pin-floor.sh" "$here/gpu-tests.sh" \
-  "$here/wake.sh" "$here/wake_probe.py" "$here/client-env.sh" "$here/ideal.sh" "$here/ideal_save.py" "$here/dma_time.py" "$here/dma_chunks.py" "$here/copy-stream.sh" .gpu/
+  "$here/wake.sh" "$here/wake_probe.py" "$here/client-env.sh" "$here/ideal.sh" "$here/ideal_save.py" "$here/dma_time.py" "$here/dma_chunks.py" "$here/copy-stream.sh" "$here/busy.py" .gpu/
 bin=${1:-target/release/pegaflow-server}
 if [ -x "$bin" ]; then strip -o .gpu/pegaflow-server "$bin" 2>/dev/null || cp "$bin" .gpu/pegaflow-server; else echo "note: no server binary at $bin; only PegaFlow will be measured" >&2; rm -f .gpu/pegaflow-server; fi
 probe=target/release/pegaflow-wake-probe

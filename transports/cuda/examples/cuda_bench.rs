@@ -6,7 +6,8 @@
 //!
 //! Run on a GPU machine: `cuda_bench [--paths staged,mapped,direct,auto,bus] [--reps 3]
 //! [--verify] [--staging-mb 16] [--blocks-per-sm 8] [--pin-gib 0] [--pin-threads 1,8]
-//! [--inflight 1] [--overlap] [--wait tail|sleep|spin]`.
+//! [--inflight 1] [--overlap] [--wait tail|sleep|spin] [--first-chunk-mb 2]
+//! [--staging-buffers 2]`.
 //!
 //! `--inflight N` keeps up to N batches submitted at once (a Save stream as the server sees it
 //! when each Save is answered before its copy ends: the next batch waits in the worker's queue,
@@ -43,6 +44,8 @@ struct Args {
     inflight: usize,
     overlap: bool,
     wait: Wait,
+    first_chunk_mb: u64,
+    staging_buffers: usize,
 }
 
 fn args() -> anyhow::Result<Args> {
@@ -61,6 +64,8 @@ fn args() -> anyhow::Result<Args> {
         inflight: 1,
         overlap: false,
         wait: CudaTransportConfig::default().wait,
+        first_chunk_mb: CudaTransportConfig::default().first_chunk_bytes >> 20,
+        staging_buffers: CudaTransportConfig::default().staging_buffers,
     };
     let mut it = std::env::args().skip(1);
     while let Some(k) = it.next() {
@@ -87,6 +92,8 @@ fn args() -> anyhow::Result<Args> {
             "--verify" => a.verify = true,
             "--inflight" => a.inflight = v()?.parse()?,
             "--overlap" => a.overlap = true,
+            "--first-chunk-mb" => a.first_chunk_mb = v()?.parse()?,
+            "--staging-buffers" => a.staging_buffers = v()?.parse()?,
             "--wait" => {
                 a.wait = match v()?.as_str() {
                     "tail" => Wait::Tail,
@@ -202,6 +209,8 @@ fn main() -> anyhow::Result<()> {
             blocks_per_sm: a.blocks_per_sm,
             overlap: a.overlap,
             wait: a.wait,
+            first_chunk_bytes: a.first_chunk_mb << 20,
+            staging_buffers: a.staging_buffers,
             ..Default::default()
         };
         let t0 = Instant::now();
@@ -237,47 +246,53 @@ fn main() -> anyhow::Result<()> {
                 })
                 .collect()
         };
-        // Returns GB/s, the path the last batch ran and how many batches started behind the
-        // previous one's copy.
-        let run = |direction: Direction, ids: &[usize]| -> anyhow::Result<(f64, CopyPath, usize)> {
-            let batches: Vec<Vec<CopyOp>> = if bus {
-                vec![bus_ops()]
-            } else {
-                (0..a.blocks)
-                    .step_by(a.batch)
-                    .map(|first| ops_for(first, &ids[first..(first + a.batch).min(a.blocks)]))
-                    .collect()
-            };
-            let t0 = Instant::now();
-            let reports: Vec<_> = rt
-                .block_on(
-                    futures::stream::iter(batches)
-                        .map(|ops| {
-                            t.copy_with_report(CopyBatch {
-                                location: pegaflow_transport_cuda::cuda_space(0),
-                                direction,
-                                mode: TransferMode::Kernel,
-                                ops,
+        // Returns GB/s, the path the last batch ran, and per batch whether it started behind
+        // the previous one's copy ('o') or after its end ('.').
+        let run =
+            |direction: Direction, ids: &[usize]| -> anyhow::Result<(f64, CopyPath, String)> {
+                let batches: Vec<Vec<CopyOp>> = if bus {
+                    vec![bus_ops()]
+                } else {
+                    (0..a.blocks)
+                        .step_by(a.batch)
+                        .map(|first| ops_for(first, &ids[first..(first + a.batch).min(a.blocks)]))
+                        .collect()
+                };
+                let t0 = Instant::now();
+                let reports: Vec<_> = rt
+                    .block_on(
+                        futures::stream::iter(batches)
+                            .map(|ops| {
+                                t.copy_with_report(CopyBatch {
+                                    location: pegaflow_transport_cuda::cuda_space(0),
+                                    direction,
+                                    mode: TransferMode::Kernel,
+                                    ops,
+                                })
                             })
-                        })
-                        .buffered(a.inflight)
-                        .try_collect(),
-                )
-                .map_err(|e| anyhow::anyhow!("{e}"))?;
-            let secs = t0.elapsed().as_secs_f64();
-            let last = reports.last().map_or(CopyPath::Empty, |r| r.path);
-            let overlapped = reports.iter().filter(|r| r.overlapped).count();
-            Ok((total / secs / 1e9, last, overlapped))
-        };
+                            .buffered(a.inflight)
+                            .try_collect(),
+                    )
+                    .map_err(|e| anyhow::anyhow!("{e}"))?;
+                let secs = t0.elapsed().as_secs_f64();
+                let last = reports.last().map_or(CopyPath::Empty, |r| r.path);
+                let pattern = reports
+                    .iter()
+                    .map(|r| if r.overlapped { 'o' } else { '.' })
+                    .collect();
+                Ok((total / secs / 1e9, last, pattern))
+            };
         let mut saves = Vec::new();
         let mut loads = Vec::new();
         let mut ran = CopyPath::Empty;
         let mut overlapped = 0;
+        let mut pattern = String::new();
         for _ in 0..a.reps.max(1) {
             let (g, p, o) = run(Direction::ToHost, &src)?;
             saves.push(g);
             ran = p;
-            overlapped += o;
+            overlapped += o.chars().filter(|&c| c == 'o').count();
+            pattern = o;
             let (g, _, _) = run(Direction::ToDevice, &dst)?;
             loads.push(g);
         }
@@ -288,7 +303,7 @@ fn main() -> anyhow::Result<()> {
         saves.sort_by(f64::total_cmp);
         loads.sort_by(f64::total_cmp);
         println!(
-            "{{\"path\":\"{path}\",\"ran\":\"{ran:?}\",\"bytes\":{total},\"reps\":{},\"save_gbps_median\":{:.1},\"save_gbps_best\":{:.1},\"load_gbps_median\":{:.1},\"load_gbps_best\":{:.1},\"pin_s\":{pin_s:.2},\"staging_mb\":{},\"blocks_per_sm\":{},\"batch\":{},\"inflight\":{},\"overlap\":{},\"wait\":\"{:?}\",\"save_batches_overlapped\":{overlapped},\"byte_exact\":{exact}}}",
+            "{{\"path\":\"{path}\",\"ran\":\"{ran:?}\",\"bytes\":{total},\"reps\":{},\"save_gbps_median\":{:.1},\"save_gbps_best\":{:.1},\"load_gbps_median\":{:.1},\"load_gbps_best\":{:.1},\"pin_s\":{pin_s:.2},\"staging_mb\":{},\"blocks_per_sm\":{},\"batch\":{},\"inflight\":{},\"overlap\":{},\"wait\":\"{:?}\",\"first_chunk_mb\":{},\"staging_buffers\":{},\"save_batches_overlapped\":{overlapped},\"last_save_pattern\":\"{pattern}\",\"byte_exact\":{exact}}}",
             saves.len(),
             saves[saves.len() / 2],
             saves[saves.len() - 1],
@@ -300,6 +315,8 @@ fn main() -> anyhow::Result<()> {
             a.inflight,
             a.overlap,
             a.wait,
+            a.first_chunk_mb,
+            a.staging_buffers,
         );
         drop(t);
         drop(arena);

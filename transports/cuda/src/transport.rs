@@ -208,6 +208,15 @@ pub struct CudaTransportConfig {
     #[doc(hidden)]
     #[serde(skip, default = "default_mark_bytes")]
     pub mark_bytes: u64,
+    /// The staged path's first chunk ([`FIRST_CHUNK_BYTES`]), in bytes. Not a setting:
+    /// `cuda_bench` varies it.
+    #[doc(hidden)]
+    #[serde(skip, default = "default_first_chunk_bytes")]
+    pub first_chunk_bytes: u64,
+}
+
+fn default_first_chunk_bytes() -> u64 {
+    FIRST_CHUNK_BYTES
 }
 
 fn default_tail_bytes() -> u64 {
@@ -239,6 +248,7 @@ impl Default for CudaTransportConfig {
             overlap: false,
             tail_bytes: TAIL_BYTES,
             mark_bytes: MARK_BYTES,
+            first_chunk_bytes: FIRST_CHUNK_BYTES,
         }
     }
 }
@@ -1405,6 +1415,9 @@ impl Worker {
             bytes = tally.bytes,
             overlapped,
             queued_us,
+            // When the batch started, in µs since the worker started: with `total_us`, when
+            // the copy engine had a batch of this worker in flight.
+            at_us = t0.saturating_duration_since(self.started).as_micros() as u64,
             enqueue_us = enqueue_time.as_micros() as u64,
             total_us = t0.elapsed().as_micros() as u64,
             submissions = enqueued.as_ref().copied().unwrap_or(0),
@@ -1665,7 +1678,7 @@ impl Worker {
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
         let mut order = std::mem::take(&mut self.order);
-        plan.begin_ramped(FIRST_CHUNK_BYTES);
+        plan.begin_ramped(self.cfg.first_chunk_bytes);
         let mut run = StagedRun {
             boundaries: &boundaries,
             bases: &bases,
