@@ -942,6 +942,9 @@ struct Worker {
     /// Recorded on `gather` with the streams' ends in [`Worker::sync`], to see the gathers'
     /// errors without waiting for a later batch's gathers.
     gather_done: sys::CUevent,
+    /// `gather_done` is recorded after the running batch's last gather (set in
+    /// [`Worker::sync`] before it polls, cleared when a batch starts after the previous end).
+    gather_done_recorded: bool,
     /// A device → host batch started while the running one was in its last part
     /// ([`Worker::sync`] polls the queue then), to be finished next.
     ahead: Option<Started>,
@@ -1015,6 +1018,7 @@ impl Worker {
             read_event: std::ptr::null_mut(),
             read_recorded: false,
             gather_done: std::ptr::null_mut(),
+            gather_done_recorded: false,
             ahead: None,
             source_read: None,
             mark_events: Vec::new(),
@@ -1205,6 +1209,7 @@ impl Worker {
         }
         let gather_recorded =
             !self.gather.is_null() && record(self.gather_done, self.gather).is_ok();
+        self.gather_done_recorded = gather_recorded;
         let mut first = Ok(());
         for (k, &rec) in recorded.iter().enumerate().take(n) {
             let (polled, done) = (self.polled[k], self.done[k]);
@@ -1269,18 +1274,32 @@ impl Worker {
 
     /// Whether a batch may start while the running one is still in flight: device → host
     /// (the staged and direct paths; not under `kernel_path = "mapped"`, whose one descriptor
-    /// buffer each batch rewrites), with at least half of the descriptor page left, so that
-    /// the overlapped batch seldom adds a page (one larger than that does; a batch that starts
-    /// after every earlier one ended rewinds the page, or folds the pages into one).
+    /// buffer each batch rewrites), and either the running batch's gathers are done while
+    /// there is one descriptor page (nothing reads it any more: the new batch writes its
+    /// descriptors from the page's start, [`Worker::gathers_done`]) or at least half of the
+    /// descriptor page is left, so that the new batch seldom adds a page (one larger than
+    /// that does; a batch that starts after every earlier one ended rewinds the page, or folds
+    /// the pages into one).
     fn can_overlap(&self) -> bool {
         let (page, off) = self.desc_cursor;
         self.cfg.overlap
             && self.dir == Direction::ToHost
             && self.cfg.kernel_path == KernelPath::Staged
-            && self
+            && (self
                 .desc_pages
                 .get(page)
                 .is_none_or(|p| page + 1 == self.desc_pages.len() && off <= p.cap / 2)
+                || (self.desc_pages.len() <= 1 && self.gathers_done()))
+    }
+
+    /// Whether every gather kernel of the running batch has completed (`gather_done`, recorded
+    /// after them on the gather stream, has fired): its descriptors are read by nothing any
+    /// more. False without a gather stream or before [`Worker::sync`] recorded the event.
+    fn gathers_done(&self) -> bool {
+        // SAFETY: an event of this worker's context (current), recorded on its gather stream.
+        self.gather_done_recorded
+            && !self.gather.is_null()
+            && unsafe { sys::cuEventQuery(self.gather_done) } == sys::CUresult::CUDA_SUCCESS
     }
 
     /// Waits for all work on every stream of the worker, whatever batch it belongs to: the
@@ -1348,6 +1367,7 @@ impl Worker {
         self.marks.clear();
         if !overlapped {
             // Every earlier batch ended: no staging memory is being copied out.
+            self.gather_done_recorded = false;
             let free = self.ring.drain(..).map(|(.., ev)| ev);
             self.ring_free.extend(free);
             self.ring_at = (0, 0);
@@ -1674,6 +1694,11 @@ impl Worker {
         };
         if !overlapped {
             self.reset_desc_pages()?;
+        } else if self.desc_pages.len() <= 1 && self.gathers_done() {
+            // Started behind the running batch, whose gathers are done: no kernel reads the
+            // page any more, so this batch's descriptors go from its start. (Several pages
+            // are folded only after an end: freeing pinned memory may wait for the device.)
+            self.desc_cursor = (0, 0);
         }
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
