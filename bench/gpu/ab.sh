@@ -15,11 +15,9 @@ d=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 logs=/tmp/ab-logs; mkdir -p "$logs"   # per-run server logs stay on the machine
 . "$d/client-env.sh"
-wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
 # Our server pins its pool in the background after it serves (~6 s for 16 GiB here); a bench that
 # starts before that measures copies from unpinned memory. Wait for its log line (PegaFlow's log has none).
 wait_pinned() { grep -q "pegaflow-server starting" "$1" || return 0; for _ in $(seq 1 240); do grep -qE "landing tier pinned|cannot pin" "$1" && return 0; sleep 0.25; done; echo "warning: the pool was not pinned after 60 s" >&2; }
-stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.25; done; kill -9 "$1" 2>/dev/null; }
 qos_pid=""
 # The latency helper never outlives the script (a failed start, an interrupt, the end).
 trap '[ -n "$qos_pid" ] && kill "$qos_pid" 2>/dev/null' EXIT
@@ -35,6 +33,7 @@ for entry in ${BINS:-pegaflow-server-old pegaflow-server pegaflow-server-old peg
   spec=${entry#@}
   bin=${spec%%:*}; cfg=""; [ "$spec" != "$bin" ] && cfg="--config $d/${spec#*:}.toml"
   log="$logs/ab-$i.log"
+  if port_taken; then echo "$entry: port 50055 or 9091 already taken (a server left running?); skipped"; continue; fi
   "$d/$bin" $cfg --log-level "${SRV_LOG:-info}" --addr 127.0.0.1:50055 --http-addr 127.0.0.1:9091 --pool-size 16gb --enable-prometheus > "$log" 2>&1 & pid=$!
   wait_health || { echo "$entry did not start"; tail -5 "$log"; stop_pid $pid; continue; }
   wait_pinned "$log"

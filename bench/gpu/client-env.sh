@@ -29,3 +29,22 @@ print(" ".join(map(str, c)))' "$IDLE_SPIN")
   echo "idle spin: a SCHED_IDLE busy loop on CPUs $spin_cpus"
 fi
 SERVER_PIN=(); [ -n "${PIN_SERVER:-}" ] && SERVER_PIN=(taskset -c "$PIN_SERVER")
+# The servers under test listen on 127.0.0.1:50055 (gRPC) and :9091 (HTTP).
+wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.5; done; return 1; }
+# port_taken: whether something already listens on 50055 or 9091 (a server left running would
+# answer a bench meant for the one about to start). The scripts refuse to start then.
+port_taken() { local p; for p in 50055 9091; do (exec 3<>"/dev/tcp/127.0.0.1/$p") 2>/dev/null && return 0; done; return 1; }
+# stop_pid PID: stops a server started in the background and every process below it (PegaFlow's
+# `python3 -m pegaflow._server` serves from a child process, which outlived a kill of its parent
+# and kept the port): SIGTERM to all, up to 10 s, then SIGKILL to what is left.
+tree_pids() { local c; for c in $(pgrep -P "$1" 2>/dev/null); do echo "$c"; tree_pids "$c"; done; }
+stop_pid() {
+  local pids="$1 $(tree_pids "$1" | tr '\n' ' ')" p left
+  kill $pids 2>/dev/null
+  for _ in $(seq 1 40); do
+    left=""; for p in $pids; do kill -0 "$p" 2>/dev/null && left="$left $p"; done
+    [ -z "$left" ] && return 0
+    sleep 0.25
+  done
+  kill -9 $left 2>/dev/null; wait "$1" 2>/dev/null
+}

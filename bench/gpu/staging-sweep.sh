@@ -11,8 +11,6 @@ d=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
 . "$d/client-env.sh"
 nvidia-smi --query-gpu=name,driver_version,pcie.link.gen.current,pcie.link.width.current --format=csv,noheader
-wait_health() { for _ in $(seq 1 120); do python3 -c "from pegaflow.pegaflow import EngineRpcClient as C; import sys; sys.exit(0 if C('http://127.0.0.1:50055').health()[0] else 1)" 2>/dev/null && return 0; sleep 0.25; done; return 1; }
-stop_pid() { kill "$1" 2>/dev/null; for _ in $(seq 1 40); do kill -0 "$1" 2>/dev/null || return 0; sleep 0.25; done; kill -9 "$1" 2>/dev/null; }
 if [ "${PROBE:-1}" = 1 ]; then echo "=== bus (torch staging probe)"; timeout 120 python3 "$d/staging_probe.py" 2>&1 | tail -1; fi
 for cfg in ${CONFIGS:-64mb:2}; do
   chunk=${cfg%%:*}; nbuf=${cfg##*:}
@@ -34,6 +32,7 @@ T
   for b in ${BATCHES:-256 32}; do
     for backend in ${BACKENDS:-kernel}; do
     tag="c$chunk-$nbuf-b$b-$backend"
+    if port_taken; then echo "$tag: port 50055 or 9091 already taken (a server left running?); skipped"; continue; fi
     "$d/pegaflow-server" --config /tmp/p.toml --log-level "${LOGS:-info,pegaflow_transport_cuda=debug}" > "$out/server-$tag.log" 2>&1 & pid=$!
     wait_health || { echo "no health"; tail -5 "$out/server-$tag.log"; }
     echo "=== $tag"
