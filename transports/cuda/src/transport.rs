@@ -940,10 +940,12 @@ struct Worker {
     read_event: sys::CUevent,
     read_recorded: bool,
     /// Recorded on `gather` with the streams' ends in [`Worker::sync`], to see the gathers'
-    /// errors without waiting for a later batch's gathers.
+    /// errors without waiting for a later batch's gathers, and to tell when the running
+    /// batch's gathers are done ([`Worker::gathers_done`]).
     gather_done: sys::CUevent,
     /// `gather_done` is recorded after the running batch's last gather (set in
-    /// [`Worker::sync`] before it polls, cleared when a batch starts after the previous end).
+    /// [`Worker::sync`] before it polls, false when that record failed; cleared when a batch
+    /// starts after the previous end).
     gather_done_recorded: bool,
     /// A device → host batch started while the running one was in its last part
     /// ([`Worker::sync`] polls the queue then), to be finished next.
@@ -961,8 +963,10 @@ struct Worker {
     /// Host-mapped pinned pages the staged path's kernels read their descriptors from
     /// (zero-copy, so a chunk is launched as soon as it is planned, with no upload ordered
     /// before it). A batch appends to the last page and adds a page when it is full; nothing
-    /// is rewritten before the batch synchronised; the next batch starts by folding several
-    /// pages into one large enough for what the last batch needed.
+    /// is rewritten before the batch synchronised, or (a batch started behind the running one,
+    /// with one page) before the running batch's gathers completed; a batch started after
+    /// the previous end begins by folding several pages into one large enough for what the
+    /// last batch needed.
     desc_pages: Vec<DescPage>,
     /// (page, byte offset) where the running batch's next descriptors go.
     desc_cursor: (usize, usize),
@@ -1928,7 +1932,8 @@ impl Worker {
         }
         let p = &self.desc_pages[page];
         // SAFETY: the page holds `cap - off >= bytes` bytes from `off`, and no kernel of this
-        // batch reads that part (each chunk gets its own range; earlier batches synchronised);
+        // batch reads that part (each chunk gets its own range; earlier batches synchronised,
+        // or their gathers, the only readers, completed: `Worker::gathers_done`);
         // Desc is plain old data. The writes precede the launch that reads them in program
         // order, and the launch makes them visible to the device.
         unsafe {
