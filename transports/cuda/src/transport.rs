@@ -1267,7 +1267,8 @@ impl Worker {
         rx: &mut mpsc::Receiver<Job>,
     ) -> Result<bool, CudaError> {
         poll_event_with(ev, limit, || {
-            if self.ahead.is_none() && self.can_overlap() {
+            // The queue first: `can_overlap` may query an event, once per poll otherwise.
+            if self.ahead.is_none() && !rx.is_empty() && self.can_overlap() {
                 if let Ok(job) = rx.try_recv() {
                     let started = self.start(job, true);
                     self.ahead = Some(started);
