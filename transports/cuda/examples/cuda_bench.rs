@@ -122,6 +122,12 @@ fn xorshift_fill(seed: u64, b: &mut [u8]) {
 
 fn main() -> anyhow::Result<()> {
     let a = args()?;
+    if std::env::var_os("RUST_LOG").is_some() {
+        tracing_subscriber::fmt()
+            .with_env_filter(tracing_subscriber::EnvFilter::from_default_env())
+            .with_writer(std::io::stderr)
+            .init();
+    }
     let drv = driver().map_err(|e| anyhow::anyhow!("{e}"))?;
     let dev0 = &drv.devices()[0];
     println!(
