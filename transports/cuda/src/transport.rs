@@ -8,8 +8,8 @@
 //! contiguous device staging buffer, then one large copy per host run, chunk `i` on buffer and
 //! stream `i % staging_buffers`) or `Mapped` (the kernel copies straight between device memory and mapped pinned
 //! host memory); and completing each batch only after its own work on every stream ended. A
-//! device → host batch that arrives while the worker polls for the previous one's end is
-//! enqueued behind it (the `overlap` setting, [`CopyReport::overlapped`]), sharing the staging ring and the
+//! device → host batch that is queued when the worker starts waiting for the previous one's
+//! end, or arrives while it polls for it, is enqueued behind it (the `overlap` setting, [`CopyReport::overlapped`]), sharing the staging ring and the
 //! descriptor page with it, so the copy engine goes from one Save to the next with no gap.
 //!
 //! Must never: run a CUDA call on the async executor, report a batch as done before every byte
@@ -194,8 +194,9 @@ pub struct CudaTransportConfig {
     /// On the H200 machine the handover to the worker fell from ~55 to ~17 µs on a 256-block
     /// Save, and 32-block Saves went from 34.3 to 34.9 GB/s (docs/BENCHMARKS.md §13).
     pub idle_poll_us: u64,
-    /// `overlap`: a device → host batch that arrives while the worker polls for the previous
-    /// one's end (under `wait = "tail"` or `"spin"`) is enqueued behind it at once, so that
+    /// `overlap`: a device → host batch that is queued when the worker starts waiting for the
+    /// previous one's end, or arrives while it polls for it (under `wait = "tail"` or
+    /// `"spin"`), is enqueued behind it at once, so that
     /// the copy engine goes from one batch to the next without a gap; default false. The
     /// staging buffers and the descriptor page are shared as one ring by the two batches.
     /// `false` starts every batch after the previous one ended.
@@ -304,7 +305,7 @@ const OPTIONS: &[PluginOption] = &[
     },
     PluginOption {
         name: "overlap",
-        help: "start a device to host batch behind the previous one while that one still copies (under wait = tail or spin), so the copy engine has no gap between Saves; default false",
+        help: "start a queued device to host batch behind the previous one while that one still copies (under wait = tail or spin), so the copy engine has no gap between Saves; default false",
     },
 ];
 
@@ -908,6 +909,9 @@ struct Worker {
     /// Events (`CU_EVENT_BLOCKING_SYNC`) for the marks, created as batches need them and
     /// reused by later batches (re-recording an event after its batch synchronised is safe).
     mark_events: Vec<sys::CUevent>,
+    /// The other set of mark events: a batch started behind the running one swaps the two
+    /// sets, so that its marks never re-record the event the running batch sleeps on.
+    mark_spare: Vec<sys::CUevent>,
     /// The running batch's [`Job::near_end`], sent (or dropped) by [`Worker::sync`].
     near_end: Option<oneshot::Sender<()>>,
     /// Bytes the running batch enqueued, and since its last mark.
@@ -947,8 +951,8 @@ struct Worker {
     /// [`Worker::sync`] before it polls, false when that record failed; cleared when a batch
     /// starts after the previous end).
     gather_done_recorded: bool,
-    /// A device → host batch started while the running one was in its last part
-    /// ([`Worker::sync`] polls the queue then), to be finished next.
+    /// A device → host batch started while the running one still copies ([`Worker::sync`]
+    /// takes it from the queue before it waits, and while it polls), to be finished next.
     ahead: Option<Started>,
     /// The running batch's [`Job::source_read`].
     source_read: Option<SourceRead>,
@@ -1026,6 +1030,7 @@ impl Worker {
             ahead: None,
             source_read: None,
             mark_events: Vec::new(),
+            mark_spare: Vec::new(),
             enqueued: 0,
             since_mark: 0,
             uploaded: std::ptr::null_mut(),
@@ -1117,12 +1122,20 @@ impl Worker {
         }
         if self.cfg.wait == Wait::Tail {
             let marks = (MARKS_START_BYTES / self.cfg.mark_bytes.max(1)).min(4096) as usize;
-            while self.mark_events.len() < marks {
-                match new_event(true) {
-                    Ok(e) => self.mark_events.push(e),
-                    Err(e) => {
-                        tracing::debug!(ordinal = self.ordinal, "fewer wait marks ahead: {}", e.0);
-                        break;
+            // The spare set only serves batches started behind another: as large under overlap.
+            let spare = if self.cfg.overlap { marks } else { 0 };
+            for (set, want) in [(&mut self.mark_events, marks), (&mut self.mark_spare, spare)] {
+                while set.len() < want {
+                    match new_event(true) {
+                        Ok(e) => set.push(e),
+                        Err(e) => {
+                            tracing::debug!(
+                                ordinal = self.ordinal,
+                                "fewer wait marks ahead: {}",
+                                e.0
+                            );
+                            break;
+                        }
                     }
                 }
             }
@@ -1155,14 +1168,16 @@ impl Worker {
         }
     }
 
-    /// Waits for everything the running batch enqueued, as `cfg.wait` says. While it polls
-    /// for the end (under [`Wait::Tail`] and [`Wait::Spin`]) and [`Worker::can_overlap`]
-    /// allows, a batch that arrives on `rx` is started behind the running one
-    /// ([`Worker::ahead`]): the copy engine then goes from one to the other without the
-    /// worker's answer, wake-up and planning in between. Every stream's end is recorded
-    /// before that, so this waits for the running batch's own work only.
+    /// Waits for everything the running batch enqueued, as `cfg.wait` says. Under
+    /// [`Wait::Tail`] and [`Wait::Spin`], when [`Worker::can_overlap`] allows, a batch already
+    /// queued on `rx` is started behind the running one ([`Worker::ahead`]) before the wait, and
+    /// one that arrives while the worker polls for the end is started then: the copy engine
+    /// goes from one batch to the next without the worker's wake-up, answer and planning in
+    /// between. Every stream's end is recorded before that, so this waits for the running
+    /// batch's own work only.
     fn sync(&mut self, rx: &mut mpsc::Receiver<Job>) -> Result<(), CudaError> {
-        // The batch's device memory is read long before its end: tell the listener first.
+        // The batch's device memory is read long before its end: tell the listener first
+        // (before a batch started ahead records the read event again).
         if let Some(read) = self.source_read.take() {
             if std::mem::take(&mut self.read_recorded) {
                 let done = if self.cfg.wait == Wait::Sleep {
@@ -1179,31 +1194,22 @@ impl Worker {
                 }
             }
         }
-        // How long each stream's end is polled before sleeping on it (None: not at all).
+        // How long each stream's end is polled before sleeping on it (None: not at all), and
+        // under Tail the mark to sleep on first: the last one at least `tail_bytes` before
+        // the end (none for a short batch).
         let near_end = self.near_end.take();
-        let poll: Option<Duration> = match self.cfg.wait {
+        let (poll, mark): (Option<Duration>, Option<sys::CUevent>) = match self.cfg.wait {
             // The caller does not wait on `near_end` under Sleep (`CudaTransport::submit`).
-            Wait::Sleep => None,
-            Wait::Spin => Some(Duration::MAX),
+            Wait::Sleep => (None, None),
+            Wait::Spin => (Some(Duration::MAX), None),
             Wait::Tail => {
-                // Sleep through all but the tail: on the last mark at least `tail_bytes`
-                // before the end (none for a short batch). A failure here is seen again below.
-                let end = self.enqueued;
-                let tail = self.cfg.tail_bytes;
-                if let Some(&(_, m)) = self.marks.iter().rev().find(|(at, _)| at + tail <= end) {
-                    let _ = wait_event(self.mark_events[m]);
-                }
-                Some(POLL_LIMIT)
+                let (end, tail) = (self.enqueued, self.cfg.tail_bytes);
+                let m = self.marks.iter().rev().find(|(at, _)| at + tail <= end);
+                (Some(POLL_LIMIT), m.map(|&(_, m)| self.mark_events[m]))
             }
         };
-        if poll.is_some() {
-            // The caller starts polling for the answer too (`CudaTransport::submit`).
-            if let Some(tx) = near_end {
-                let _ = tx.send(());
-            }
-        }
         self.marks.clear();
-        // Every stream's end first: a batch started while polling goes after these records.
+        // Every stream's end first: a batch started ahead goes after these records.
         let n = self.streams.len();
         let mut recorded = [false; 8];
         for (k, rec) in recorded.iter_mut().enumerate().take(n) {
@@ -1214,6 +1220,21 @@ impl Worker {
         let gather_recorded =
             !self.gather.is_null() && record(self.gather_done, self.gather).is_ok();
         self.gather_done_recorded = gather_recorded;
+        if poll.is_some() {
+            // A batch that is already queued need not wait for the tail.
+            self.start_ahead(rx);
+        }
+        if let Some(ev) = mark {
+            // Sleep through all but the tail (a batch started ahead recorded its marks in the
+            // other set). A failure here is seen again below.
+            let _ = wait_event(ev);
+        }
+        if poll.is_some() {
+            // The caller starts polling for the answer too (`CudaTransport::submit`).
+            if let Some(tx) = near_end {
+                let _ = tx.send(());
+            }
+        }
         let mut first = Ok(());
         for (k, &rec) in recorded.iter().enumerate().take(n) {
             let (polled, done) = (self.polled[k], self.done[k]);
@@ -1259,22 +1280,26 @@ impl Worker {
     }
 
     /// [`poll_event`] for a stream's end that, between queries, starts a batch arriving on
-    /// `rx` behind the running one when [`Worker::can_overlap`] allows (one at a time).
+    /// `rx` behind the running one ([`Worker::start_ahead`]).
     fn poll_end(
         &mut self,
         ev: sys::CUevent,
         limit: Duration,
         rx: &mut mpsc::Receiver<Job>,
     ) -> Result<bool, CudaError> {
-        poll_event_with(ev, limit, || {
-            // The queue first: `can_overlap` may query an event, once per poll otherwise.
-            if self.ahead.is_none() && !rx.is_empty() && self.can_overlap() {
-                if let Ok(job) = rx.try_recv() {
-                    let started = self.start(job, true);
-                    self.ahead = Some(started);
-                }
+        poll_event_with(ev, limit, || self.start_ahead(rx))
+    }
+
+    /// Starts the batch queued on `rx`, if any, behind the running one, when none was started
+    /// ahead yet and [`Worker::can_overlap`] allows (one at a time).
+    fn start_ahead(&mut self, rx: &mut mpsc::Receiver<Job>) {
+        // The queue first: `can_overlap` may query an event, once per poll otherwise.
+        if self.ahead.is_none() && !rx.is_empty() && self.can_overlap() {
+            if let Ok(job) = rx.try_recv() {
+                let started = self.start(job, true);
+                self.ahead = Some(started);
             }
-        })
+        }
     }
 
     /// Whether a batch may start while the running one is still in flight: device → host
@@ -1370,7 +1395,10 @@ impl Worker {
     ) -> (CopyPath, Result<usize, CudaError>) {
         (self.enqueued, self.since_mark) = (0, 0);
         self.marks.clear();
-        if !overlapped {
+        if overlapped {
+            // The running batch may still sleep on a mark of its set: record ours in the other.
+            std::mem::swap(&mut self.mark_events, &mut self.mark_spare);
+        } else {
             // Every earlier batch ended: no staging memory is being copied out.
             self.gather_done_recorded = false;
             let free = self.ring.drain(..).map(|(.., ev)| ev);
@@ -2029,6 +2057,7 @@ impl Drop for Worker {
                 .iter()
                 .chain(&self.polled)
                 .chain(&self.mark_events)
+                .chain(&self.mark_spare)
                 .chain(&self.ring_events)
                 .chain([&self.uploaded, &self.read_event, &self.gather_done])
                 .filter(|e| !e.is_null())
