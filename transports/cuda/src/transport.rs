@@ -86,12 +86,15 @@ pub enum Wait {
     /// with `CU_EVENT_BLOCKING_SYNC`): no CPU while the copy runs, plus the driver's wake-up
     /// latency on every batch.
     Sleep,
-    /// Sleep until all but the batch's last [`TAIL_BYTES`] are copied, on an event recorded
-    /// on the way (one after each copy or staging chunk that brings [`MARK_BYTES`] more), then
-    /// poll every stream's end (`cuEventQuery` in a loop): the wake-up latency falls inside
-    /// the copy. A mark can only follow a whole copy or chunk, so the polled part is up to one
-    /// `staging_chunk` (or one direct copy) longer than the tail; polling stops after
-    /// [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy never holds a core.
+    /// Sleep until each stream of the batch has at most its last [`TAIL_BYTES`] left to
+    /// copy, on events recorded on the way (on a stream, one after each copy or staging chunk
+    /// that brings [`MARK_BYTES`] more on it), then poll every stream's end (`cuEventQuery`
+    /// in a loop): the wake-up latency falls inside the copy, whatever order the copy engine
+    /// runs the streams' copies in. A mark can only follow a whole copy or chunk, and the
+    /// other streams may still hold work when the last mark fires, so the polled part is up
+    /// to one `staging_chunk` (or one direct copy) per stream longer than the tail; polling
+    /// stops after [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy never
+    /// holds a core.
     /// From the tail on, the task that waits for the batch also polls for the worker's
     /// answer (yielding to the async runtime between polls) for up to [`POLL_LIMIT`].
     Tail,
@@ -100,7 +103,11 @@ pub enum Wait {
     Spin,
 }
 
-/// [`Wait::Tail`] polls for at most about this many bytes of a batch's end: 16 MiB, ~0.3 ms
+/// The most copy streams (and staging buffers) a worker has: `staging_buffers` is clamped to
+/// 2..=8.
+const MAX_STREAMS: usize = 8;
+
+/// [`Wait::Tail`] polls for at least this many bytes of each stream's end: 16 MiB, ~0.3 ms
 /// of copy at 55 GB/s, more than a sleeping thread's wake-up on the H200 machine.
 pub const TAIL_BYTES: u64 = 16 << 20;
 /// [`Wait::Tail`] records a mark (an event it can sleep on) each time this many more bytes
@@ -903,9 +910,9 @@ struct Worker {
     /// One event per stream made without `CU_EVENT_BLOCKING_SYNC`, polled by [`Wait::Tail`]
     /// and [`Wait::Spin`].
     polled: Vec<sys::CUevent>,
-    /// [`Wait::Tail`]'s marks of the running batch: (bytes enqueued up to the mark, index in
-    /// `mark_events`), in enqueue order.
-    marks: Vec<(u64, usize)>,
+    /// [`Wait::Tail`]'s marks of the running batch: (stream, bytes enqueued on that stream up
+    /// to the mark, index in `mark_events`), in enqueue order.
+    marks: Vec<(usize, u64, usize)>,
     /// Events (`CU_EVENT_BLOCKING_SYNC`) for the marks, created as batches need them and
     /// reused by later batches (re-recording an event after its batch synchronised is safe).
     mark_events: Vec<sys::CUevent>,
@@ -914,9 +921,11 @@ struct Worker {
     mark_spare: Vec<sys::CUevent>,
     /// The running batch's [`Job::near_end`], sent (or dropped) by [`Worker::sync`].
     near_end: Option<oneshot::Sender<()>>,
-    /// Bytes the running batch enqueued, and since its last mark.
-    enqueued: u64,
-    since_mark: u64,
+    /// Bytes the running batch enqueued on each stream, and since that stream's last mark.
+    enqueued: [u64; MAX_STREAMS],
+    since_mark: [u64; MAX_STREAMS],
+    /// How long the last [`Worker::sync`] slept on marks (for the batch's debug line).
+    slept: Duration,
     uploaded: sys::CUevent,
     kernel: Option<sys::CUfunction>,
     grid_cap: u32,
@@ -1000,7 +1009,7 @@ impl Worker {
     ) -> Result<Self, CudaError> {
         drv.bind(ordinal)?;
         let sm = drv.device(ordinal).map(|d| d.sm_count).unwrap_or(1);
-        let n = cfg.staging_buffers.clamp(2, 8);
+        let n = cfg.staging_buffers.clamp(2, MAX_STREAMS);
         let mapped = pins
             .as_ref()
             .map(|p| vec![None; p.chunks().len()])
@@ -1031,8 +1040,9 @@ impl Worker {
             source_read: None,
             mark_events: Vec::new(),
             mark_spare: Vec::new(),
-            enqueued: 0,
-            since_mark: 0,
+            enqueued: [0; MAX_STREAMS],
+            since_mark: [0; MAX_STREAMS],
+            slept: Duration::ZERO,
             uploaded: std::ptr::null_mut(),
             kernel: None,
             staging: None,
@@ -1143,15 +1153,15 @@ impl Worker {
     }
 
     /// Notes `bytes` more enqueued on stream `k`; under [`Wait::Tail`] records a mark on it
-    /// once `mark_bytes` accumulated since the last one. A mark is only an optimisation: one
-    /// that cannot be made is skipped (and logged).
+    /// once `mark_bytes` accumulated on it since its last one. A mark is only an
+    /// optimisation: one that cannot be made is skipped (and logged).
     fn note_enqueued(&mut self, bytes: u64, k: usize) {
-        self.enqueued += bytes;
-        self.since_mark += bytes;
-        if self.cfg.wait != Wait::Tail || self.since_mark < self.cfg.mark_bytes {
+        self.enqueued[k] += bytes;
+        self.since_mark[k] += bytes;
+        if self.cfg.wait != Wait::Tail || self.since_mark[k] < self.cfg.mark_bytes {
             return;
         }
-        self.since_mark = 0;
+        self.since_mark[k] = 0;
         let m = self.marks.len();
         if m == self.mark_events.len() {
             match new_event(true) {
@@ -1163,7 +1173,7 @@ impl Worker {
             }
         }
         match record(self.mark_events[m], self.streams[k]) {
-            Ok(()) => self.marks.push((self.enqueued, m)),
+            Ok(()) => self.marks.push((k, self.enqueued[k], m)),
             Err(e) => tracing::debug!(ordinal = self.ordinal, "no wait mark: {}", e.0),
         }
     }
@@ -1195,23 +1205,31 @@ impl Worker {
             }
         }
         // How long each stream's end is polled before sleeping on it (None: not at all), and
-        // under Tail the mark to sleep on first: the last one at least `tail_bytes` before
-        // the end (none for a short batch).
+        // under Tail the marks to sleep on first: per stream, the last one at least
+        // `tail_bytes` before that stream's end (none for a stream with less). The copy
+        // engine may run the streams' copies in any order (a batch whose gathers all ended
+        // early has every chunk ready at once), so the worker sleeps until every stream is in
+        // its tail: whichever runs last, it still has `tail_bytes` to copy when its mark fires.
         let near_end = self.near_end.take();
-        let (poll, mark): (Option<Duration>, Option<sys::CUevent>) = match self.cfg.wait {
+        let n = self.streams.len();
+        let mut sleep_on = [None; MAX_STREAMS];
+        let poll: Option<Duration> = match self.cfg.wait {
             // The caller does not wait on `near_end` under Sleep (`CudaTransport::submit`).
-            Wait::Sleep => (None, None),
-            Wait::Spin => (Some(Duration::MAX), None),
+            Wait::Sleep => None,
+            Wait::Spin => Some(Duration::MAX),
             Wait::Tail => {
-                let (end, tail) = (self.enqueued, self.cfg.tail_bytes);
-                let m = self.marks.iter().rev().find(|(at, _)| at + tail <= end);
-                (Some(POLL_LIMIT), m.map(|&(_, m)| self.mark_events[m]))
+                let tail = self.cfg.tail_bytes;
+                for &(k, at, m) in self.marks.iter() {
+                    if at + tail <= self.enqueued[k] {
+                        sleep_on[k] = Some(self.mark_events[m]);
+                    }
+                }
+                Some(POLL_LIMIT)
             }
         };
         self.marks.clear();
         // Every stream's end first: a batch started ahead goes after these records.
-        let n = self.streams.len();
-        let mut recorded = [false; 8];
+        let mut recorded = [false; MAX_STREAMS];
         for (k, rec) in recorded.iter_mut().enumerate().take(n) {
             let (polled, done, stream) = (self.polled[k], self.done[k], self.streams[k]);
             *rec =
@@ -1224,11 +1242,13 @@ impl Worker {
             // A batch that is already queued need not wait for the tail.
             self.start_ahead(rx);
         }
-        if let Some(ev) = mark {
-            // Sleep through all but the tail (a batch started ahead recorded its marks in the
-            // other set). A failure here is seen again below.
-            let _ = wait_event(ev);
+        // Sleep through all but the tail (a batch started ahead recorded its marks in the other
+        // set). A failure here is seen again below.
+        let slept = std::time::Instant::now();
+        for ev in sleep_on.iter().take(n).flatten() {
+            let _ = wait_event(*ev);
         }
+        self.slept = slept.elapsed();
         if poll.is_some() {
             // The caller starts polling for the answer too (`CudaTransport::submit`).
             if let Some(tx) = near_end {
@@ -1393,7 +1413,7 @@ impl Worker {
         overlapped: bool,
         tally: &mut Tally,
     ) -> (CopyPath, Result<usize, CudaError>) {
-        (self.enqueued, self.since_mark) = (0, 0);
+        (self.enqueued, self.since_mark) = ([0; MAX_STREAMS], [0; MAX_STREAMS]);
         self.marks.clear();
         if overlapped {
             // The running batch may still sleep on a mark of its set: record ours in the other.
@@ -1472,6 +1492,8 @@ impl Worker {
             // the copy engine had a batch of this worker in flight.
             at_us = t0.saturating_duration_since(self.started).as_micros() as u64,
             enqueue_us = enqueue_time.as_micros() as u64,
+            // Of total_us, asleep on the batch's marks (under wait = "tail").
+            slept_us = self.slept.as_micros() as u64,
             total_us = t0.elapsed().as_micros() as u64,
             submissions = enqueued.as_ref().copied().unwrap_or(0),
             "copy batch"
