@@ -87,14 +87,14 @@ pub enum Wait {
     /// latency on every batch.
     Sleep,
     /// Sleep until each stream of the batch has at most its last [`TAIL_BYTES`] left to
-    /// copy, on events recorded on the way (on a stream, one after each copy or staging chunk
-    /// that brings [`MARK_BYTES`] more on it), then poll every stream's end (`cuEventQuery`
-    /// in a loop): the wake-up latency falls inside the copy, whatever order the copy engine
-    /// runs the streams' copies in. A mark can only follow a whole copy or chunk, and the
-    /// other streams may still hold work when the last mark fires, so the polled part is up
-    /// to one `staging_chunk` (or one direct copy) per stream longer than the tail; polling
-    /// stops after [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy never
-    /// holds a core.
+    /// copy, on events recorded on the way (on a stream, one after each pinned copy that
+    /// brings [`MARK_BYTES`] more on it), then poll every stream's end (`cuEventQuery` in a
+    /// loop): the wake-up latency falls inside the copy, whatever order the copy engine runs
+    /// the streams' copies in. A mark can only follow a whole copy (up to a `staging_chunk`
+    /// where host memory is contiguous), and the other streams may still hold work when the
+    /// last mark fires, so the polled part is up to one copy per stream longer than the tail;
+    /// polling stops after [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy
+    /// never holds a core.
     /// From the tail on, the task that waits for the batch also polls for the worker's
     /// answer (yielding to the async runtime between polls) for up to [`POLL_LIMIT`].
     Tail,
@@ -1886,6 +1886,8 @@ impl Worker {
                 }
             };
             check(r, "cuMemcpyAsync (staging)")?;
+            // Per copy, so that a stream's last mark can fall inside its last chunk.
+            self.note_enqueued(hc.len as u64, i % self.streams.len());
         }
         if self.dir == Direction::ToDevice {
             self.launch(dev, 0, count, s)?;
@@ -1898,11 +1900,6 @@ impl Worker {
             self.ring
                 .push_back((b, end - round_up(c.used), end, copied));
         }
-        let bytes: u64 = plan.host_copies[c.host_copies.clone()]
-            .iter()
-            .map(|hc| hc.len as u64)
-            .sum();
-        self.note_enqueued(bytes, i % self.streams.len());
         Ok(c.host_copies.len() + 1)
     }
 
