@@ -304,7 +304,7 @@ const OPTIONS: &[PluginOption] = &[
     },
     PluginOption {
         name: "wait",
-        help: "how a worker waits for a batch's end: tail (sleep until its last 16 MiB, then poll; the waiting task polls for the answer too, up to 2 ms) | sleep (until the GPU's interrupt) | spin (poll: one core per copying worker)",
+        help: "how a worker waits for a batch's end: tail (sleep until each stream is in its last 16 MiB, then poll; the waiting task polls for the answer too, up to 2 ms) | sleep (until the GPU's interrupt) | spin (poll: one core per copying worker)",
     },
     PluginOption {
         name: "idle_poll_us",
