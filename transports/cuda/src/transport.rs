@@ -1134,7 +1134,10 @@ impl Worker {
             let marks = (MARKS_START_BYTES / self.cfg.mark_bytes.max(1)).min(4096) as usize;
             // The spare set only serves batches started behind another: as large under overlap.
             let spare = if self.cfg.overlap { marks } else { 0 };
-            for (set, want) in [(&mut self.mark_events, marks), (&mut self.mark_spare, spare)] {
+            for (set, want) in [
+                (&mut self.mark_events, marks),
+                (&mut self.mark_spare, spare),
+            ] {
                 while set.len() < want {
                     match new_event(true) {
                         Ok(e) => set.push(e),
