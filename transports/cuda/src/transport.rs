@@ -86,15 +86,17 @@ pub enum Wait {
     /// with `CU_EVENT_BLOCKING_SYNC`): no CPU while the copy runs, plus the driver's wake-up
     /// latency on every batch.
     Sleep,
-    /// Sleep until each stream of the batch has at most its last [`TAIL_BYTES`] left to
-    /// copy, on events recorded on the way (on a stream, one after each pinned copy that
-    /// brings [`MARK_BYTES`] more on it), then poll every stream's end (`cuEventQuery` in a
-    /// loop): the wake-up latency falls inside the copy, whatever order the copy engine runs
-    /// the streams' copies in. A mark can only follow a whole copy (up to a `staging_chunk`
-    /// where host memory is contiguous), and the other streams may still hold work when the
-    /// last mark fires, so the polled part is up to one copy per stream longer than the tail;
-    /// polling stops after [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled copy
-    /// never holds a core.
+    /// Sleep until each stream of the batch is in its tail, on events recorded on the way (on
+    /// a stream, one after each pinned or direct copy that brings [`MARK_BYTES`] more on it):
+    /// per stream, the last mark with at least [`TAIL_BYTES`] after it; then poll every
+    /// stream's end (`cuEventQuery` in a loop). Whatever order the copy engine runs the
+    /// streams' copies in, the stream whose mark fires last still has [`TAIL_BYTES`] to copy,
+    /// so the wake-up latency falls inside the copy. A mark can only follow a whole copy (up
+    /// to a `staging_chunk` where host memory is contiguous, or one direct copy), so a stream
+    /// holds up to [`MARK_BYTES`] and one copy more than the tail after its mark, and where
+    /// the streams copy side by side the polled part is about that much per stream. Each
+    /// stream's poll stops after [`POLL_LIMIT`] and sleeps for the rest, so a long or stalled
+    /// copy never holds a core.
     /// From the tail on, the task that waits for the batch also polls for the worker's
     /// answer (yielding to the async runtime between polls) for up to [`POLL_LIMIT`].
     Tail,
@@ -110,8 +112,8 @@ const MAX_STREAMS: usize = 8;
 /// [`Wait::Tail`] polls for at least this many bytes of each stream's end: 16 MiB, ~0.3 ms
 /// of copy at 55 GB/s, more than a sleeping thread's wake-up on the H200 machine.
 pub const TAIL_BYTES: u64 = 16 << 20;
-/// [`Wait::Tail`] records a mark (an event it can sleep on) each time this many more bytes
-/// are enqueued: 8 MiB.
+/// [`Wait::Tail`] records a mark (an event it can sleep on) on a stream each time this many
+/// more bytes are enqueued on it: 8 MiB.
 pub const MARK_BYTES: u64 = 8 << 20;
 /// A copy worker allocates one descriptor page of this many bytes (host-mapped pinned
 /// memory) ahead of its batches, once it is idle and the pool is pinned: 4 MiB, 174,762
@@ -120,12 +122,14 @@ pub const MARK_BYTES: u64 = 8 << 20;
 /// 512 MiB Saves after a start ~2 ms each on the H200 machine.
 pub const DESC_PAGE_START: usize = 4 << 20;
 /// Under [`Wait::Tail`] a copy worker creates the marks' events of a batch this large ahead of
-/// its batches, with its descriptor page: 4 GiB, 512 events at [`MARK_BYTES`], so that no batch
-/// up to that size creates events while it runs.
+/// its batches, with its descriptor page: 4 GiB, 512 events at [`MARK_BYTES`] (twice that for
+/// a device → host worker with `overlap`: a batch started ahead uses a second set), so that
+/// no batch up to that size creates events while it runs.
 pub const MARKS_START_BYTES: u64 = 4 << 30;
 /// [`Wait::Tail`] polls one stream's end for at most this long, then sleeps: 2 ms, more than
-/// one 64 MiB staging chunk's copy (1.2 ms at 55 GB/s) plus the tail. Under Tail and Spin the
-/// task waiting for a batch polls for the worker's answer for at most this long too.
+/// one 64 MiB staging chunk's copy (1.2 ms at 55 GB/s) plus the tail (each stream's poll
+/// has its own limit). Under Tail and Spin the task waiting for a batch polls for the
+/// worker's answer for at most this long too, then awaits it.
 pub const POLL_LIMIT: Duration = Duration::from_millis(2);
 
 /// What actually ran for a batch.
@@ -152,8 +156,9 @@ pub struct CopyReport {
     pub submissions: usize,
     /// Whether the worker started the batch while its previous batch was still copying, so
     /// that the copy engine went from one to the other with no gap (with `overlap` on,
-    /// device → host batches under [`Wait::Tail`] and [`Wait::Spin`]: a batch that arrives
-    /// while the worker polls for the previous one's end is enqueued behind it).
+    /// device → host batches under [`Wait::Tail`] and [`Wait::Spin`]: a batch that is queued
+    /// when the worker starts waiting for the previous one's end, or arrives while it polls
+    /// for it, is enqueued behind it while that one still copies).
     pub overlapped: bool,
 }
 
@@ -355,7 +360,8 @@ struct Job {
     parts: Option<OpParts>,
     reply: oneshot::Sender<Result<CopyReport, TransportError>>,
     /// Told when the worker starts polling for the batch's end (after the last part is
-    /// enqueued: at [`Wait::Tail`]'s tail, or at once under [`Wait::Spin`]); dropped unsent
+    /// enqueued: at [`Wait::Tail`]'s tail; under [`Wait::Spin`] at once, or once a queued
+    /// batch was started behind it); dropped unsent
     /// when the batch fails before that (after its reply), and unused under [`Wait::Sleep`].
     /// The caller then polls `reply` on its own task, yielding, for up to [`POLL_LIMIT`], so
     /// the runtime thread that carries the answer on is awake when the copy ends instead of
@@ -926,6 +932,9 @@ struct Worker {
     since_mark: [u64; MAX_STREAMS],
     /// How long the last [`Worker::sync`] slept on marks (for the batch's debug line).
     slept: Duration,
+    /// Whether [`Worker::sync`] recorded every end of the running batch (each stream's and
+    /// the gather stream's), so that a batch may start behind it ([`Worker::start_ahead`]).
+    ends_recorded: bool,
     uploaded: sys::CUevent,
     kernel: Option<sys::CUfunction>,
     grid_cap: u32,
@@ -1043,6 +1052,7 @@ impl Worker {
             enqueued: [0; MAX_STREAMS],
             since_mark: [0; MAX_STREAMS],
             slept: Duration::ZERO,
+            ends_recorded: false,
             uploaded: std::ptr::null_mut(),
             kernel: None,
             staging: None,
@@ -1132,8 +1142,12 @@ impl Worker {
         }
         if self.cfg.wait == Wait::Tail {
             let marks = (MARKS_START_BYTES / self.cfg.mark_bytes.max(1)).min(4096) as usize;
-            // The spare set only serves batches started behind another: as large under overlap.
-            let spare = if self.cfg.overlap { marks } else { 0 };
+            // The spare set only serves batches started behind another (device → host, staged
+            // or direct path, overlap on): as large then.
+            let overlaps = self.cfg.overlap
+                && self.dir == Direction::ToHost
+                && self.cfg.kernel_path == KernelPath::Staged;
+            let spare = if overlaps { marks } else { 0 };
             for (set, want) in [
                 (&mut self.mark_events, marks),
                 (&mut self.mark_spare, spare),
@@ -1186,9 +1200,11 @@ impl Worker {
     /// queued on `rx` is started behind the running one ([`Worker::ahead`]) before the wait, and
     /// one that arrives while the worker polls for the end is started then: the copy engine
     /// goes from one batch to the next without the worker's wake-up, answer and planning in
-    /// between. Every stream's end is recorded before that, so this waits for the running
-    /// batch's own work only.
+    /// between. Every stream's end is recorded before that (no batch starts ahead when a
+    /// record failed), so this waits for the running batch's own work only.
     fn sync(&mut self, rx: &mut mpsc::Receiver<Job>) -> Result<(), CudaError> {
+        self.slept = Duration::ZERO;
+        self.ends_recorded = false;
         // The batch's device memory is read long before its end: tell the listener first
         // (before a batch started ahead records the read event again).
         if let Some(read) = self.source_read.take() {
@@ -1241,8 +1257,12 @@ impl Worker {
         let gather_recorded =
             !self.gather.is_null() && record(self.gather_done, self.gather).is_ok();
         self.gather_done_recorded = gather_recorded;
-        if poll.is_some() {
-            // A batch that is already queued need not wait for the tail.
+        self.ends_recorded =
+            recorded.iter().take(n).all(|&r| r) && (self.gather.is_null() || gather_recorded);
+        if poll.is_some() && self.copying(n) {
+            // A batch that is already queued need not wait for the tail. (Not when this one
+            // has ended: the new batch would count as overlapped, and this one's answer wait
+            // for its enqueue.)
             self.start_ahead(rx);
         }
         // Sleep through all but the tail (a batch started ahead recorded its marks in the other
@@ -1314,15 +1334,27 @@ impl Worker {
     }
 
     /// Starts the batch queued on `rx`, if any, behind the running one, when none was started
-    /// ahead yet and [`Worker::can_overlap`] allows (one at a time).
+    /// ahead yet, every end of the running batch was recorded ([`Worker::ends_recorded`]:
+    /// otherwise its wait falls back to synchronising whole streams, which would take in the
+    /// new batch's work) and [`Worker::can_overlap`] allows (one at a time).
     fn start_ahead(&mut self, rx: &mut mpsc::Receiver<Job>) {
         // The queue first: `can_overlap` may query an event, once per poll otherwise.
-        if self.ahead.is_none() && !rx.is_empty() && self.can_overlap() {
+        if self.ahead.is_none() && self.ends_recorded && !rx.is_empty() && self.can_overlap() {
             if let Ok(job) = rx.try_recv() {
                 let started = self.start(job, true);
                 self.ahead = Some(started);
             }
         }
+    }
+
+    /// Whether any of the first `n` streams' polled end (recorded by [`Worker::sync`]) has not
+    /// fired yet: the running batch still copies. A failed query counts as still copying.
+    fn copying(&self, n: usize) -> bool {
+        self.polled.iter().take(n).any(|&ev| {
+            // SAFETY: an event of this worker's context (current), recorded on its stream.
+            let r = unsafe { sys::cuEventQuery(ev) };
+            r != sys::CUresult::CUDA_SUCCESS
+        })
     }
 
     /// Whether a batch may start while the running one is still in flight: device → host
