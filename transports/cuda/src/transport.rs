@@ -1259,7 +1259,7 @@ impl Worker {
         self.gather_done_recorded = gather_recorded;
         self.ends_recorded =
             recorded.iter().take(n).all(|&r| r) && (self.gather.is_null() || gather_recorded);
-        if poll.is_some() && self.copying(n) {
+        if poll.is_some() && self.cfg.overlap && self.copying(n) {
             // A batch that is already queued need not wait for the tail. (Not when this one
             // has ended: the new batch would count as overlapped, and this one's answer wait
             // for its enqueue.)
