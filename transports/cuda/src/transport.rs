@@ -1142,12 +1142,8 @@ impl Worker {
         }
         if self.cfg.wait == Wait::Tail {
             let marks = (MARKS_START_BYTES / self.cfg.mark_bytes.max(1)).min(4096) as usize;
-            // The spare set only serves batches started behind another (device → host, staged
-            // or direct path, overlap on): as large then.
-            let overlaps = self.cfg.overlap
-                && self.dir == Direction::ToHost
-                && self.cfg.kernel_path == KernelPath::Staged;
-            let spare = if overlaps { marks } else { 0 };
+            // The spare set only serves batches started behind another: as large then.
+            let spare = if self.may_overlap() { marks } else { 0 };
             for (set, want) in [
                 (&mut self.mark_events, marks),
                 (&mut self.mark_spare, spare),
@@ -1259,7 +1255,7 @@ impl Worker {
         self.gather_done_recorded = gather_recorded;
         self.ends_recorded =
             recorded.iter().take(n).all(|&r| r) && (self.gather.is_null() || gather_recorded);
-        if poll.is_some() && self.cfg.overlap && self.copying(n) {
+        if poll.is_some() && self.may_overlap() && !rx.is_empty() && self.copying(n) {
             // A batch that is already queued need not wait for the tail. (Not when this one
             // has ended: the new batch would count as overlapped, and this one's answer wait
             // for its enqueue.)
@@ -1350,16 +1346,20 @@ impl Worker {
     /// Whether any of the first `n` streams' polled end (recorded by [`Worker::sync`]) has not
     /// fired yet: the running batch still copies. A failed query counts as still copying.
     fn copying(&self, n: usize) -> bool {
-        self.polled.iter().take(n).any(|&ev| {
-            // SAFETY: an event of this worker's context (current), recorded on its stream.
-            let r = unsafe { sys::cuEventQuery(ev) };
-            r != sys::CUresult::CUDA_SUCCESS
-        })
+        self.polled.iter().take(n).any(|&ev| !event_done(ev))
     }
 
-    /// Whether a batch may start while the running one is still in flight: device → host
-    /// (the staged and direct paths; not under `kernel_path = "mapped"`, whose one descriptor
-    /// buffer each batch rewrites), and either the running batch's gathers are done while
+    /// Whether this worker's batches can ever start behind one another: `overlap` on, device
+    /// → host, and not under `kernel_path = "mapped"` (whose one descriptor buffer each batch
+    /// rewrites).
+    fn may_overlap(&self) -> bool {
+        self.cfg.overlap
+            && self.dir == Direction::ToHost
+            && self.cfg.kernel_path == KernelPath::Staged
+    }
+
+    /// Whether a batch may start while the running one is still in flight:
+    /// [`Worker::may_overlap`], and either the running batch's gathers are done while
     /// there is one descriptor page (nothing reads it any more: the new batch writes its
     /// descriptors from the page's start, [`Worker::gathers_done`]) or at least half of the
     /// descriptor page is left, so that the new batch seldom adds a page (one larger than
@@ -1367,9 +1367,7 @@ impl Worker {
     /// the pages into one).
     fn can_overlap(&self) -> bool {
         let (page, off) = self.desc_cursor;
-        self.cfg.overlap
-            && self.dir == Direction::ToHost
-            && self.cfg.kernel_path == KernelPath::Staged
+        self.may_overlap()
             && (self
                 .desc_pages
                 .get(page)
@@ -1381,10 +1379,7 @@ impl Worker {
     /// after them on the gather stream, has fired): its descriptors are read by nothing any
     /// more. False without a gather stream or before [`Worker::sync`] recorded the event.
     fn gathers_done(&self) -> bool {
-        // SAFETY: an event of this worker's context (current), recorded on its gather stream.
-        self.gather_done_recorded
-            && !self.gather.is_null()
-            && unsafe { sys::cuEventQuery(self.gather_done) } == sys::CUresult::CUDA_SUCCESS
+        self.gather_done_recorded && !self.gather.is_null() && event_done(self.gather_done)
     }
 
     /// Waits for all work on every stream of the worker, whatever batch it belongs to: the
@@ -2176,6 +2171,13 @@ fn wait_event(ev: sys::CUevent) -> Result<(), CudaError> {
 /// [`Wait::Spin`] polls without a limit).
 fn poll_event(ev: sys::CUevent, limit: Duration) -> Result<bool, CudaError> {
     poll_event_with(ev, limit, || {})
+}
+
+/// One query of `ev` (recorded on a stream of the calling worker's context): true once the
+/// work before it finished; false while it runs or when the query fails.
+fn event_done(ev: sys::CUevent) -> bool {
+    // SAFETY: an event of the calling worker's context, which is current on its thread.
+    unsafe { sys::cuEventQuery(ev) == sys::CUresult::CUDA_SUCCESS }
 }
 
 /// [`poll_event`], running `between` after each query that finds the work unfinished.
