@@ -1,13 +1,13 @@
 #!/usr/bin/env bash
 # On the GPU machine: why the first rep of every pf_bench.py run saves slowest. One server start
 # (BIN, default pegaflow-server; 16 GiB pool; the Save handler's debug line on), then three bench
-# processes against it, kernel backend, BATCH blocks per Save (default 256):
+# processes against it, BACKEND (default kernel), BATCH blocks per Save (default 256):
 #   A: plain;  B: right after A (a new process and instance, the same server);
 #   C: PF_WARM_BUS=256 (a 256 MiB device -> pinned host copy by the client before each rep).
 # Prints per run and rep the Save GB/s, each Save call's ms and the server's handler ms for it,
 # then the transport's first D2H batches (its debug line: queue wait, enqueue and total µs).
 # Env: RUNS (default "A B C"), WAIT_AFTER_PIN (seconds between the pool's pinning and the first
-# bench, default 0), BATCH, REPS.
+# bench, default 0), BACKEND, BATCH, REPS.
 set -u
 d=$(cd "$(dirname "$0")" && pwd)
 out=${OUT:-/tmp/out}; mkdir -p "$out"
@@ -21,7 +21,7 @@ nvidia-smi --query-gpu=pcie.link.gen.current,pcie.link.width.current,clocks.sm,p
 rm -f "$out/first-rep.jsonl"
 for run in ${RUNS:-A B C}; do
   env=""; [ $run = C ] && env="PF_WARM_BUS=256"
-  env PF_SAVE_TIMES=1 $env timeout 200 python3 "$d/pf_bench.py" --tag "$run" --backend kernel --batch ${BATCH:-256} --reps ${REPS:-3} >> "$out/first-rep.jsonl" 2>&1
+  env PF_SAVE_TIMES=1 $env timeout 200 python3 "$d/pf_bench.py" --tag "$run" --backend ${BACKEND:-kernel} --batch ${BATCH:-256} --reps ${REPS:-3} >> "$out/first-rep.jsonl" 2>&1
 done
 kill $pid; wait $pid
 echo "the transport's first D2H batches:"
