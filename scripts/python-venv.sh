@@ -11,9 +11,10 @@ ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
-# The published client the server must stay compatible with, and the test tools.
+# The published client the server must stay compatible with, and the test tools (numpy: the
+# end-to-end harness's layout conversion is tested over numpy arrays, tests/python/test_e2e_*).
 PEGAFLOW_PKG="pegaflow-llm-cu13==0.25.1"
-REQS=("$PEGAFLOW_PKG" "pytest" "grpcio")
+REQS=("$PEGAFLOW_PKG" "pytest" "grpcio" "numpy")
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "python-venv: creating $VENV with $("$PYTHON" --version 2>&1)"
@@ -26,7 +27,7 @@ PY="$VENV/bin/python"
 if "$PY" - "${REQS[@]}" <<'PYEOF'
 import sys
 from importlib import metadata
-want = {"pegaflow-llm-cu13": "0.25.1", "pytest": None, "grpcio": None}
+want = {"pegaflow-llm-cu13": "0.25.1", "pytest": None, "grpcio": None, "numpy": None}
 for name, ver in want.items():
     try:
         have = metadata.version(name)
@@ -49,6 +50,7 @@ fi
 from pegaflow.pegaflow import EngineRpcClient, PyLoadState, QueryReady, QueryLoading  # noqa: F401
 from pegaflow import PegaFlowError, PegaflowInternal  # noqa: F401
 import grpc  # noqa: F401
+import numpy  # noqa: F401
 import pytest  # noqa: F401
 import pegaflow
 print("python-venv: ok (pegaflow", getattr(pegaflow, "__version__", "?") + ")")
