@@ -8,9 +8,7 @@ report. The GPU run itself needs the GPU machine (bench/e2e/README.md).
 
 from __future__ import annotations
 
-import json
 import os
-import signal
 import subprocess
 import sys
 import time

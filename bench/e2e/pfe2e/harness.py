@@ -253,17 +253,19 @@ class KvPages:
 
 
 def _pftest():
-    """The CPU dry run's native registration helpers (tests/python/pftest.py of this repo)."""
+    """The CPU dry run's native registration helpers: tests/python/pftest.py of this repo (or
+the folder `$PFE2E_PFTEST_DIR` names, for a copy of the package outside the repo)."""
     here = Path(__file__).resolve()
-    for up in here.parents:
-        cand = up / "tests" / "python"
+    cands = [Path(os.environ["PFE2E_PFTEST_DIR"])] if os.environ.get("PFE2E_PFTEST_DIR") else []
+    cands += [up / "tests" / "python" for up in here.parents]
+    for cand in cands:
         if (cand / "pftest.py").is_file():
             if str(cand) not in sys.path:
                 sys.path.insert(0, str(cand))
             import pftest
 
             return pftest
-    raise RuntimeError("the CPU dry run registers host memory through tests/python/pftest.py, which is not in this checkout")
+    raise RuntimeError("the CPU dry run registers host memory through tests/python/pftest.py: not found (set PFE2E_PFTEST_DIR)")
 
 
 # --------------------------------------------------------------------------------------------

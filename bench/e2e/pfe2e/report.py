@@ -17,7 +17,7 @@ import math
 import statistics
 import sys
 from pathlib import Path
-from typing import Any, Iterable, Sequence
+from typing import Iterable, Sequence
 
 # --------------------------------------------------------------------------------------------
 # records

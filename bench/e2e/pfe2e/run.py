@@ -90,9 +90,12 @@ def summary(r: dict) -> str:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python3 -m pfe2e.run", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Fmt(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        pass
+
+    p = argparse.ArgumentParser(prog="python3 -m pfe2e.run", description=__doc__, formatter_class=Fmt)
     a = p.add_argument
-    a("--out", default=os.environ.get("OUT") or "e2e-out", help="results folder (default $OUT, else ./e2e-out)")
+    a("--out", default=os.environ.get("OUT") or "e2e-out", help="results folder: $OUT when set, else ./e2e-out")
     a("--work", default="/tmp/pfe2e-work", help="server logs and pipeline files")
     a("--stages", default=",".join(STAGE_NAMES), help="comma-separated, in order: ours, pegaflow, trace")
     a("--resume", action="store_true", help="skip the stages that already have an end (or start) record in --out")
@@ -103,42 +106,42 @@ def parse_args(argv=None) -> argparse.Namespace:
     a("--page-first", action="store_true", help="register with page_first (the server stores a block's layers together)")
     a("--lengths", default="1024,4096,16384,32768", help="context lengths in tokens")
     a("--new-tokens", type=int, default=16, help="tokens a hit still computes (at least; the prefix is whole blocks)")
-    a("--seed", type=int, default=0)
+    a("--seed", type=int, default=0, help="weights, prompts and block tables")
     a("--warmup", type=int, default=1, help="untimed cold forwards per length")
-    a("--cold-reps", type=int, default=3)
+    a("--cold-reps", type=int, default=3, help="timed cold forwards per length")
     a("--pegaflow-cold-reps", type=int, default=1, help="cold forwards in the PegaFlow stage (the same work as ours')")
     a("--reps", type=int, default=3, help="timed DRAM hits per length and server (and suffix-alone reps)")
     a("--hit-warmup", type=int, default=1, help="untimed DRAM hits before the timed ones")
-    a("--ssd-reps", type=int, default=2)
-    a("--peer-reps", type=int, default=2)
-    a("--no-ssd", dest="ssd", action="store_false")
-    a("--no-peer", dest="peer", action="store_false")
+    a("--ssd-reps", type=int, default=2, help="timed SSD hits per length and server (DRAM emptied before each)")
+    a("--peer-reps", type=int, default=2, help="timed peer hits per length (server B's DRAM emptied before each)")
+    a("--no-ssd", dest="ssd", action="store_false", help="no SSD tier anywhere")
+    a("--no-peer", dest="peer", action="store_false", help="no second server, no MetaServer")
     a("--save-batch", type=int, default=512, help="blocks per Save RPC")
-    a("--pool", default=None, help="DRAM pool of each server (default: every length's prefix + 25 %% + 1 GiB)")
-    a("--ssd-capacity", default=None, help="SSD tier capacity (default: the pool's)")
+    a("--pool", default=None, help="DRAM pool of each server; none: every length's prefix + 25 %% + 1 GiB")
+    a("--ssd-capacity", default=None, help="SSD tier capacity; none: the pool's")
     a("--ssd-dir", default="/tmp/pfe2e-ssd", help="where the SSD tiers live (emptied first)")
-    a("--ours-bin", default=None, help="pegaflow-server (default: beside this package, else target/release, target/debug)")
-    a("--metaserver-bin", default=None, help="a MetaServer (default: our pegaflow-metaserver beside this package, else the wheel's)")
+    a("--ours-bin", default=None, help="pegaflow-server; none: the one beside this package, else target/release, target/debug")
+    a("--metaserver-bin", default=None, help="a MetaServer; none: our pegaflow-metaserver beside this package, else the wheel's")
     a("--python", default=sys.executable, help="the Python that runs PegaFlow's server (needs torch)")
     a("--pegaflow-backends", default="direct,kernel", help="PegaFlow's copy backends to measure; the first saves and does the SSD hits")
     a("--port-base", type=int, default=50100, help="12 loopback ports from here")
-    a("--query-timeout", type=float, default=30.0)
+    a("--query-timeout", type=float, default=30.0, help="seconds a DRAM query may stay Loading")
     a("--slow-query-timeout", type=float, default=120.0, help="SSD and peer hits")
-    a("--load-timeout", type=float, default=60.0)
+    a("--load-timeout", type=float, default=60.0, help="seconds a Load may take")
     a("--promote-deadline-ms", type=int, default=60000, help="our servers' promotion and peer fetch deadline")
-    a("--server-start-timeout", type=float, default=120.0)
+    a("--server-start-timeout", type=float, default=120.0, help="seconds a server may take to serve")
     a("--budget-s", type=float, default=480.0, help="the whole run, from $E2E_T0 (set by e2e-run.sh) or this start")
     a("--stage-budget", default="ours=200,pegaflow=130,trace=110", help="seconds per stage at most")
     a("--min-length-left-s", type=float, default=20.0, help="a context length starts only with this much of its stage left")
-    a("--min-rep-left-s", type=float, default=4.0)
+    a("--min-rep-left-s", type=float, default=4.0, help="a rep (or trace request) starts only with this much left")
     a("--watchdog-grace-s", type=float, default=45.0, help="past a stage's time by this much, the watchdog ends the run")
-    a("--trace", default=None, help="the Mooncake trace (default: beside this package, else bench/data)")
+    a("--trace", default=None, help="the Mooncake trace; none: $E2E_TRACE, beside this package, else bench/data")
     a("--trace-requests", type=int, default=250, help="the first N requests")
     a("--trace-block-tokens", type=int, default=64, help="tokens per 512-token trace block (scale)")
     a("--trace-max-tokens", type=int, default=16384, help="longer prompts keep their first whole blocks")
-    a("--trace-pool", default="8gb")
-    a("--trace-ssd-capacity", default="24gb")
-    a("--bus-probe-mib", type=int, default=1024)
+    a("--trace-pool", default="8gb", help="the trace server's DRAM tier")
+    a("--trace-ssd-capacity", default="24gb", help="the trace server's SSD tier (0 with --no-ssd)")
+    a("--bus-probe-mib", type=int, default=1024, help="size of the pinned copy that measures the bus")
     args = p.parse_args(argv)
     if args.quick:
         args.lengths, args.cold_reps, args.reps, args.ssd_reps, args.peer_reps = "1024,4096", 1, 1, 1, 1
@@ -149,6 +152,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         if s not in STAGE_NAMES:
             p.error(f"unknown stage {s!r}; stages: {', '.join(STAGE_NAMES)}")
     args.pegaflow_backends = [b.strip() for b in args.pegaflow_backends.split(",") if b.strip()]
+    if not args.pegaflow_backends or any(b not in ("direct", "kernel") for b in args.pegaflow_backends):
+        p.error("--pegaflow-backends takes direct and/or kernel")
     args.stage_budget = {k: float(v) for k, _, v in (x.partition("=") for x in args.stage_budget.split(",") if x)}
     if any(n < args.new_tokens + 16 for n in args.lengths):
         p.error(f"every length must hold at least one block plus --new-tokens ({args.new_tokens + 16})")
@@ -256,6 +261,7 @@ class Watchdog(threading.Thread):
         super().__init__(daemon=True)
         self.ctx, self.out, self.grace = ctx, out, grace
         self.stage: str | None = None
+        self.fired = threading.Event()
 
     def run(self) -> None:
         while True:
@@ -263,11 +269,12 @@ class Watchdog(threading.Thread):
             st = self.stage
             if st is None or time.monotonic() < self.ctx.deadline + self.grace:
                 continue
+            self.fired.set()
             self.ctx.rec.write({"kind": "stage", "stage": st, "status": "failed",
                                 "why": f"watchdog: still in '{self.ctx.phase}' {self.grace:.0f} s past the stage's time"})
             try:
                 self.ctx.stop_all()
-                finish(self.out, self.ctx.rec)
+                finish(self.out, self.ctx.rec, self.ctx.work)
             finally:
                 os._exit(3)
 
@@ -337,10 +344,14 @@ def main(argv=None) -> int:
             status, why = "failed", f"{type(e).__name__}: {e}"
             traceback.print_exc()
         finally:
-            dog.stage = None
-            ctx.stop_all()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
+            if not dog.fired.is_set():
+                dog.stage = None
+                ctx.stop_all()
+                if device.type == "cuda":
+                    torch.cuda.empty_cache()
+        if dog.fired.is_set():
+            while True:  # the watchdog has written the stage's end and ends the process
+                time.sleep(1)
         rec.write({"kind": "stage", "stage": name, "status": status, "why": why, "elapsed_s": time.monotonic() - now})
         finish(out, rec, work)
     md = finish(out, rec, work)

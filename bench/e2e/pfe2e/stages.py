@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import shutil
 import statistics
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -40,6 +41,7 @@ class Context:
     phase: str = ""
     procs: list = field(default_factory=list)
     _model: Any = None
+    _lock: Any = field(default_factory=threading.Lock)
 
     @property
     def model(self):
@@ -73,9 +75,10 @@ class Context:
         servers.start_plain(proc, addr, timeout=self.args.server_start_timeout)
 
     def stop_all(self) -> None:
-        for p in reversed(self.procs):
+        with self._lock:
+            procs, self.procs = list(self.procs), []
+        for p in reversed(procs):
             p.stop()
-        self.procs.clear()
 
 
 # --------------------------------------------------------------------------------------------
@@ -195,10 +198,16 @@ def run_lengths(ctx: Context, label: str, kv: harness.KvPages, saver: harness.In
     model = ctx.model
     nbs = prefix_blocks(a)
     region = max(nbs) + 1
+    prev: tuple[int, float] | None = None  # (tokens, seconds) of the last length measured
     for n, nb in zip(a.lengths, nbs):
-        if ctx.left() < a.min_length_left_s:
-            ctx.rec.note(f"{label}: {report.fmt_tokens(n)} and longer skipped: {ctx.left():.0f} s left in the stage")
+        # The time a length takes grows about linearly past a few K tokens (the copies and the
+        # SSD reads are per byte; the forwards' attention part grows faster but is small).
+        need = max(a.min_length_left_s, 1.2 * prev[1] * n / prev[0]) if prev else a.min_length_left_s
+        if ctx.left() < need:
+            ctx.rec.note(f"{label}: {report.fmt_tokens(n)} and longer skipped: {ctx.left():.0f} s left in the stage, "
+                         f"about {need:.0f} s needed")
             break
+        t_len = time.monotonic()
         ctx.set_phase(f"{label} {report.fmt_tokens(n)}: prompt")
         p = harness.make_prompt(n, a.new_tokens, spec.config["vocab_size"], a.seed + n, kv, 0, region)
         kv_bytes = nb * spec.kv_bytes_per_block(p.block_tokens)
@@ -212,18 +221,18 @@ def run_lengths(ctx: Context, label: str, kv: harness.KvPages, saver: harness.In
                     dt, logits, cache = harness.cold_ttft(model, ctx.clock, p)
                     if i >= a.warmup:
                         times.append(dt)
-                ctx.rec.write({"kind": "cold", "server": label, "tokens": n, "reps_s": times, "median_s": statistics.median(times)})
+                ctx.rec.write({"kind": "cold", "server": label, "tokens": n, "reps_s": times, "median_s": statistics.median(times),
+                               "logits_finite": bool(torch.isfinite(logits.float()).all())})
                 # the engine's pages: the cold forward's KV of the prefix
                 kv.scatter(cache, p.src)
                 conv_exact = kv.matches_cache(cache, p.src_idx, p.prefix_tokens)
                 del cache
-                cache = None
                 if ctx.device.type == "cuda":
                     torch.cuda.empty_cache()
                 # the reference: the suffix forward on the never-saved pages
                 ctx.set_phase(f"{label} {report.fmt_tokens(n)}: reference suffix forward")
                 alone, ref_logits, det = [], None, True
-                for i in range(1 + (a.reps if measure_alone else 1)):
+                for _ in range(1 + (a.reps if measure_alone else 1)):
                     dt, lg = harness.suffix_alone(model, ctx.clock, kv, p)
                     if ref_logits is None:
                         ref_logits = lg
@@ -252,6 +261,7 @@ def run_lengths(ctx: Context, label: str, kv: harness.KvPages, saver: harness.In
                     wait_ssd_written(ctx, ssd_server, ssd_base, kv_bytes, timeout=min(120.0, max(10.0, ctx.left() - 30)))
                 for t in tiers_for(p):
                     measure_hits(ctx, t, p, ref, kv_bytes)
+            prev = (n, time.monotonic() - t_len)
         except torch.cuda.OutOfMemoryError as e:
             ctx.rec.note(f"{label}: {report.fmt_tokens(n)} ran out of GPU memory ({str(e).splitlines()[0]}); longer lengths skipped")
             torch.cuda.empty_cache()
@@ -308,20 +318,37 @@ def stage_ours(ctx: Context) -> None:
     promote = max(800, 2 * max_blocks + 64)
     meta = None
     if a.peer and a.metaserver_bin:
-        meta = f"http://{ports['meta_grpc']}"
         ctx.set_phase("start the MetaServer")
-        ctx.start_plain(servers.Proc("metaserver", [a.metaserver_bin, "--addr", ports["meta_grpc"], "--http-addr", ports["meta_http"]],
-                                     ctx.work / "server-metaserver.log"), ports["meta_grpc"])
+        try:
+            ctx.start_plain(servers.Proc("metaserver", [a.metaserver_bin, "--addr", ports["meta_grpc"], "--http-addr", ports["meta_http"]],
+                                         ctx.work / "server-metaserver.log"), ports["meta_grpc"])
+            meta = f"http://{ports['meta_grpc']}"
+            ctx.rec.note(f"MetaServer {a.metaserver_bin} listening on {ports['meta_grpc']}")
+        except RuntimeError as e:
+            ctx.rec.note(f"the MetaServer did not start ({str(e).splitlines()[0]}): the peer tier is skipped")
     elif a.peer:
         ctx.rec.note("no MetaServer binary (ours or the wheel's): the peer tier is skipped")
     ssd_dir = _fresh_dir(Path(a.ssd_dir) / "ours-a") if a.ssd else None
-    cfg_a = ctx.work / "ours-a.toml"
-    cfg_a.write_text(servers.ours_pipeline(pool, str(ssd_dir) if ssd_dir else None, ssd_cap, True, meta, ports["a_peer"] if meta else None,
-                                           promote, a.promote_deadline_ms))
     extra, sock_a = _cpu_extra(ctx, "a")
-    srv_a = servers.ours(a.ours_bin, "ours-a", ports["a_grpc"], ports["a_http"], cfg_a, ctx.work, extra)
-    ctx.set_phase("start our server A")
-    ctx.start(srv_a)
+    srv_a = None
+    # Should a part refuse to start here, fall back to fewer parts rather than lose the stage.
+    attempts = [(ssd_dir, meta)] + ([(None, meta)] if ssd_dir else []) + ([(None, None)] if meta else [])
+    for k, (sd, mt) in enumerate(attempts):
+        cfg_a = ctx.work / "ours-a.toml"
+        cfg_a.write_text(servers.ours_pipeline(pool, str(sd) if sd else None, ssd_cap, True, mt, ports["a_peer"] if mt else None,
+                                               promote, a.promote_deadline_ms))
+        srv_a = servers.ours(a.ours_bin, "ours-a", ports["a_grpc"], ports["a_http"], cfg_a, ctx.work, extra)
+        ctx.set_phase("start our server A")
+        try:
+            ctx.start(srv_a)
+            break
+        except RuntimeError as e:
+            ctx.procs.remove(srv_a.proc)
+            srv_a = None
+            ctx.rec.note(f"our server A did not start with SSD={bool(sd)} directory={bool(mt)}: {str(e)[-600:]}")
+            if k + 1 == len(attempts):
+                raise
+    ssd_dir, meta = sd, mt
     srv_b, sock_b = None, None
     if meta:
         cfg_b = ctx.work / "ours-b.toml"
@@ -329,7 +356,12 @@ def stage_ours(ctx: Context) -> None:
         extra_b, sock_b = _cpu_extra(ctx, "b")
         srv_b = servers.ours(a.ours_bin, "ours-b", ports["b_grpc"], ports["b_http"], cfg_b, ctx.work, extra_b)
         ctx.set_phase("start our server B (peer)")
-        ctx.start(srv_b)
+        try:
+            ctx.start(srv_b)
+        except RuntimeError as e:
+            ctx.procs.remove(srv_b.proc)
+            srv_b = None
+            ctx.rec.note(f"our server B did not start ({str(e)[-600:]}): the peer tier is skipped")
     model = ctx.model  # noqa: F841 - built before the pages, so the weights come first in memory
     lay = layout.PagedLayout(a.layout, 2 * (max_blocks + 1), hashing.BLOCK_TOKENS, ctx.spec.kv_heads, ctx.spec.head_dim)
     kv = harness.KvPages.allocate(lay, ctx.spec.num_layers, ctx.device)
