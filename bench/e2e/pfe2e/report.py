@@ -245,12 +245,28 @@ def goal_lines(records: Sequence[dict]) -> list[str]:
         if ok(s) and c:
             verdict = "faster than cold" if s["median_ttft_s"] < c else f"slower than cold by {fmt_ms(s['median_ttft_s'] - c)} ms"
             rate = s.get("ssd_read_gbps")
-            out.append(f"{fmt_tokens(n)}: ours SSD hit {fmt_ms(s['median_ttft_s'])} ms vs cold {fmt_ms(c)} ms: {verdict}"
-                       + (f" (promotion read {rate:.2f} GB/s)" if rate else ""))
+            need = ssd_break_even_gbps(s, c)
+            parts = [f"promotion read {rate:.2f} GB/s"] if rate else []
+            parts.append("the rest of the hit alone takes longer than cold" if need is None else f"beating cold needs ≥ {need:.2f} GB/s")
+            out.append(f"{fmt_tokens(n)}: ours SSD hit {fmt_ms(s['median_ttft_s'])} ms vs cold {fmt_ms(c)} ms: {verdict} ({'; '.join(parts)})")
     bad = [h for h in hits.values() if ok(h) and not (h.get("byte_exact") and h.get("logit_exact"))]
     n_ok = sum(1 for h in hits.values() if ok(h))
     out.append(f"byte- and logit-exact: {n_ok - len(bad)} of {n_ok} hit measurements" + ("" if not bad else " — NOT all exact"))
     return out
+
+
+def ssd_break_even_gbps(hit: dict, cold_s: float) -> float | None:
+    """The read rate (GB/s) at which an SSD hit would take as long as the cold forward: the
+    prefix's bytes over the time the cold forward leaves once the hit's other phases (all but
+    the query, which is the read) are paid; `None` when those alone take longer than cold."""
+    reps = hit.get("reps") or []
+    q = median([x.get("query_s") for x in reps])
+    t = hit.get("median_ttft_s")
+    kv = hit.get("kv_bytes")
+    if q is None or t is None or not kv:
+        return None
+    left = cold_s - (t - q)
+    return kv / left / 1e9 if left > 0 else None
 
 
 # --------------------------------------------------------------------------------------------

@@ -155,6 +155,9 @@ def measure_hits(ctx: Context, t: Tier, p: harness.Prompt, ref: harness.Referenc
             rec["logit_exact"] = all(x["logit_exact"] for x in reps + rec["warmup"])
             rec["argmax_vs_cold"] = min(x["argmax_vs_cold"] for x in reps)
             rec["first_answers"] = sorted({x["first_answer"] for x in reps})
+            if t.tier in ("ssd", "peer") and "ready" in rec["first_answers"]:
+                # Ready at the first poll: the prefix was still in DRAM, not read from the tier.
+                rec["status"], rec["why"] = "not-evicted", "a query answered Ready at once: the hit came from DRAM"
             if t.tier in ("ssd", "peer"):
                 qs = statistics.median(x["query_s"] for x in reps)
                 rec["ssd_read_gbps" if t.tier == "ssd" else "peer_fetch_gbps"] = kv_bytes / qs / 1e9 if qs > 0 else None
@@ -387,12 +390,15 @@ def stage_ours(ctx: Context) -> None:
         warmed.add(p.num_tokens)
 
     def tiers_for(p: harness.Prompt) -> list[Tier]:
+        # SSD before peer: B has never held this prompt then, so A's promotion finds no other
+        # holder in the directory and reads its SSD; the last SSD hit leaves the prefix in A's
+        # DRAM (promoted blocks are advertised) for B to fetch.
         out = [Tier("ours", "dram", "direct", inst_a, a.reps, a.query_timeout, warmup=a.hit_warmup)]
+        if ssd_dir is not None and a.ssd_reps > 0:
+            out.append(Tier("ours", "ssd", "direct", inst_a, a.ssd_reps, a.slow_query_timeout, before=srv_a.cleanup_memory))
         if inst_b is not None and a.peer_reps > 0:
             out.append(Tier("ours", "peer", "direct", inst_a, a.peer_reps, a.slow_query_timeout, before=lambda: peer_warm(p),
                             after=srv_b.cleanup_memory, query_inst=inst_b))
-        if ssd_dir is not None and a.ssd_reps > 0:
-            out.append(Tier("ours", "ssd", "direct", inst_a, a.ssd_reps, a.slow_query_timeout, before=srv_a.cleanup_memory))
         return out
 
     try:
