@@ -158,6 +158,9 @@ def measure_hits(ctx: Context, t: Tier, p: harness.Prompt, ref: harness.Referenc
             if t.tier in ("ssd", "peer") and "ready" in rec["first_answers"]:
                 # Ready at the first poll: the prefix was still in DRAM, not read from the tier.
                 rec["status"], rec["why"] = "not-evicted", "a query answered Ready at once: the hit came from DRAM"
+            if t.tier == "dram" and "loading" in rec["first_answers"]:
+                # Loading first: part of the prefix was read from below DRAM, not a DRAM hit.
+                rec["status"], rec["why"] = "not-resident", "a query answered Loading first: the prefix was not all in DRAM"
             if t.tier in ("ssd", "peer"):
                 qs = statistics.median(x["query_s"] for x in reps)
                 rec["ssd_read_gbps" if t.tier == "ssd" else "peer_fetch_gbps"] = kv_bytes / qs / 1e9 if qs > 0 else None
