@@ -43,17 +43,19 @@ use crate::plan::{
 use crate::CUDA_DOMAIN;
 
 mod config;
+mod events;
+mod kernel;
+mod numa;
 
 pub use config::{
     CudaTransportConfig, KernelPath, Policy, Wait, DESC_PAGE_START, MARKS_START_BYTES, MARK_BYTES,
     POLL_LIMIT, TAIL_BYTES,
 };
 use config::{MAX_STREAMS, OPTIONS};
-
-/// The copy kernel's PTX (generated from `kernels.cu`, see `examples/gen_ptx.rs`).
-pub const KERNEL_PTX: &str = include_str!("../kernels.ptx");
-const KERNEL_NAME: &std::ffi::CStr = c"pf_copy";
-const BLOCK_THREADS: u32 = 256;
+use events::{event_done, new_event, new_stream, poll_event, poll_event_with, record, wait_event};
+pub use kernel::KERNEL_PTX;
+use kernel::{dev_alloc, dev_free, DevBuf, Kernel};
+use numa::{run_on_node, Numa};
 
 /// What actually ran for a batch.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -115,86 +117,6 @@ struct Shared {
     workers: Mutex<HashMap<(i32, bool), mpsc::Sender<Job>>>,
     /// NUMA placement for the served devices (decided once, at build).
     numa: Numa,
-}
-
-/// What the transport does about NUMA: the pool's pages go to `placement`'s nodes (before
-/// they are pinned), and each device's copy threads run on its node's CPUs.
-#[derive(Debug, Default)]
-struct Numa {
-    /// The node set the pool's pages are steered to; empty: placement is off.
-    nodes: Vec<usize>,
-    /// CPUs per served device ordinal (absent: no affinity).
-    cpus: HashMap<i32, Vec<usize>>,
-}
-
-impl Numa {
-    /// Decides placement for the served devices and logs what it decided.
-    fn plan(driver: &Driver, served: &[i32], enabled: bool) -> Self {
-        let topo = pegaflow_runtime::numa::Topology::system();
-        let devices: Vec<_> = served.iter().filter_map(|&o| driver.device(o)).collect();
-        let ids: Vec<String> = devices.iter().map(|d| d.pci_bus_id.clone()).collect();
-        match pegaflow_runtime::numa::NumaPlacement::plan(&topo, &ids, enabled) {
-            pegaflow_runtime::numa::NumaPlacement::Off(why) => {
-                tracing::info!("cuda transport: no NUMA placement: {why}");
-                Self::default()
-            }
-            pegaflow_runtime::numa::NumaPlacement::On {
-                nodes,
-                device_nodes,
-            } => {
-                let cpus: HashMap<i32, Vec<usize>> = devices
-                    .iter()
-                    .zip(&device_nodes)
-                    .map(|(d, &n)| (d.ordinal, topo.node_cpus(n)))
-                    .collect();
-                tracing::info!(
-                    pool_nodes = ?nodes,
-                    devices = ?devices
-                        .iter()
-                        .zip(&device_nodes)
-                        .map(|(d, n)| format!("GPU {} ({}) on node {n}", d.ordinal, d.pci_bus_id))
-                        .collect::<Vec<_>>(),
-                    "cuda transport: pinned pool {} and each GPU's copy threads on its node's CPUs (--disable-numa-affinity turns this off)",
-                    if nodes.len() == 1 { "preferred on that node" } else { "interleaved over the GPUs' nodes" }
-                );
-                Self { nodes, cpus }
-            }
-        }
-    }
-
-    /// Steers `regions`' pages to the planned nodes (before they are pinned: pinning faults
-    /// them in). A failure is logged and leaves the kernel's default placement.
-    fn place(&self, regions: &[HostRegion]) {
-        if self.nodes.is_empty() {
-            return;
-        }
-        for r in regions {
-            let (addr, len) = r.range();
-            if let Err(e) = pegaflow_runtime::numa::prefer_nodes(addr, len, &self.nodes) {
-                tracing::warn!(
-                    addr,
-                    len,
-                    "cuda transport: cannot steer host memory to NUMA nodes {:?} (mbind: {e}); the kernel's default placement stays",
-                    self.nodes
-                );
-            }
-        }
-    }
-
-    /// The CPUs of all planned nodes (for the pin threads, which serve every device).
-    fn all_cpus(&self) -> Vec<usize> {
-        let mut v: Vec<usize> = self.cpus.values().flatten().copied().collect();
-        v.sort_unstable();
-        v.dedup();
-        v
-    }
-}
-
-/// Runs the calling thread on `cpus` (a device's NUMA node), logging a failure.
-fn run_on_node(what: &str, cpus: &[usize]) {
-    if let Err(e) = pegaflow_runtime::numa::run_on_cpus(cpus) {
-        tracing::warn!("{what}: cannot run on the GPU's NUMA node CPUs: {e}");
-    }
 }
 
 /// The `cuda` transport. Cheap to share; dropping it stops its workers (after the batches they
@@ -631,12 +553,6 @@ struct Started {
     enqueue_time: Duration,
 }
 
-/// A device allocation owned by a worker.
-struct DevBuf {
-    ptr: u64,
-    len: usize,
-}
-
 struct Worker {
     ordinal: i32,
     dir: Direction,
@@ -668,8 +584,8 @@ struct Worker {
     /// the gather stream's), so that a batch may start behind it ([`Worker::start_ahead`]).
     ends_recorded: bool,
     uploaded: sys::CUevent,
-    kernel: Option<sys::CUfunction>,
-    grid_cap: u32,
+    /// The copy kernel (none: it failed to load, and every batch takes the direct path).
+    kernel: Option<Kernel>,
     /// Device → host workers with the copy kernel: the stream every gather kernel of a
     /// staged batch runs on, so that a gather never waits behind an earlier chunk's pinned
     /// copy (null otherwise). Chunk `i`'s pinned copies run on `streams[i % len]` after its
@@ -760,7 +676,6 @@ impl Worker {
         let mut w = Self {
             ordinal,
             dir,
-            grid_cap: sm.saturating_mul(cfg.blocks_per_sm).max(1),
             cfg,
             pins,
             streams: Vec::with_capacity(n),
@@ -808,8 +723,8 @@ impl Worker {
             w.polled.push(new_event(false)?);
         }
         w.uploaded = new_event(false)?;
-        w.kernel = match load_kernel() {
-            Ok(f) => Some(f),
+        w.kernel = match Kernel::load(sm.saturating_mul(w.cfg.blocks_per_sm).max(1)) {
+            Ok(k) => Some(k),
             Err(e) => {
                 tracing::warn!(ordinal, "copy kernel unavailable, using direct copies: {e}");
                 None
@@ -1449,41 +1364,10 @@ impl Worker {
         count: usize,
         stream: sys::CUstream,
     ) -> Result<(), CudaError> {
-        let Some(f) = self.kernel else {
+        let Some(k) = &self.kernel else {
             return Err(CudaError("copy kernel unavailable".into()));
         };
-        let mut done = 0;
-        while done < count {
-            let n = (count - done).min(u32::MAX as usize);
-            let mut ptr: u64 = descs_dev + ((first + done) * std::mem::size_of::<Desc>()) as u64;
-            let mut n32 = n as u32;
-            let grid = n32.min(self.grid_cap).max(1);
-            let mut params: [*mut c_void; 2] =
-                [(&mut ptr as *mut u64).cast(), (&mut n32 as *mut u32).cast()];
-            check(
-                // SAFETY: the kernel takes (const CopyDesc*, unsigned int), matching `params`; the
-                // descriptors were uploaded on stream 0 (stream 1 waits for that) and every address
-                // in them is device-visible and stays valid until the batch synchronises.
-                unsafe {
-                    sys::cuLaunchKernel(
-                        f,
-                        grid,
-                        1,
-                        1,
-                        BLOCK_THREADS,
-                        1,
-                        1,
-                        0,
-                        stream,
-                        params.as_mut_ptr(),
-                        std::ptr::null_mut(),
-                    )
-                },
-                "cuLaunchKernel",
-            )?;
-            done += n;
-        }
-        Ok(())
+        k.launch(descs_dev, first, count, stream)
     }
 
     /// The staged path, streamed: ops are taken in host-address order ([`HostOrder`]) and
@@ -1860,103 +1744,6 @@ fn round_up(n: u64) -> u64 {
     n.div_ceil(STAGING_ALIGN) * STAGING_ALIGN
 }
 
-/// A stream of the current context that does not synchronise with the legacy default stream.
-fn new_stream() -> Result<sys::CUstream, CudaError> {
-    let mut s: sys::CUstream = std::ptr::null_mut();
-    check(
-        // SAFETY: out-pointer to a live local; the caller's context is current.
-        unsafe { sys::cuStreamCreate(&mut s, sys::CUstream_flags::CU_STREAM_NON_BLOCKING as u32) },
-        "cuStreamCreate",
-    )
-    .map(|()| s)
-}
-
-/// A timing-free event of the current context; `blocking`: a wait on it sleeps
-/// (`CU_EVENT_BLOCKING_SYNC`) rather than spins.
-fn new_event(blocking: bool) -> Result<sys::CUevent, CudaError> {
-    let mut flags = sys::CUevent_flags::CU_EVENT_DISABLE_TIMING as u32;
-    if blocking {
-        flags |= sys::CUevent_flags::CU_EVENT_BLOCKING_SYNC as u32;
-    }
-    let mut e: sys::CUevent = std::ptr::null_mut();
-    // SAFETY: out-pointer to a live local; the caller's context is current.
-    let r = unsafe { sys::cuEventCreate(&mut e, flags) };
-    check(r, "cuEventCreate").map(|()| e)
-}
-
-/// Records `ev` on `stream`, both of the calling worker's context.
-fn record(ev: sys::CUevent, stream: sys::CUstream) -> Result<(), CudaError> {
-    // SAFETY: the worker created both in its context, which is current on its thread.
-    check(unsafe { sys::cuEventRecord(ev, stream) }, "cuEventRecord")
-}
-
-/// Sleeps (`CU_EVENT_BLOCKING_SYNC` events) or waits until the work before `ev`'s last record
-/// finished.
-fn wait_event(ev: sys::CUevent) -> Result<(), CudaError> {
-    // SAFETY: an event of the calling worker's context, which is current on its thread.
-    check(unsafe { sys::cuEventSynchronize(ev) }, "cuEventSynchronize")
-}
-
-/// Polls `ev` until the work before it finished (true), at most `limit` (false: not done
-/// yet), or the query fails. Spins with a pause hint between queries; past 1 ms it also yields
-/// to any other runnable thread (which keeps the core busy when there is none: only
-/// [`Wait::Spin`] polls without a limit).
-fn poll_event(ev: sys::CUevent, limit: Duration) -> Result<bool, CudaError> {
-    poll_event_with(ev, limit, || {})
-}
-
-/// One query of `ev` (recorded on a stream of the calling worker's context): true once the
-/// work before it finished; false while it runs or when the query fails.
-fn event_done(ev: sys::CUevent) -> bool {
-    // SAFETY: an event of the calling worker's context, which is current on its thread.
-    unsafe { sys::cuEventQuery(ev) == sys::CUresult::CUDA_SUCCESS }
-}
-
-/// [`poll_event`], running `between` after each query that finds the work unfinished.
-fn poll_event_with(
-    ev: sys::CUevent,
-    limit: Duration,
-    mut between: impl FnMut(),
-) -> Result<bool, CudaError> {
-    let start = std::time::Instant::now();
-    loop {
-        // SAFETY: an event of this worker's context (current), recorded on one of its streams.
-        match unsafe { sys::cuEventQuery(ev) } {
-            sys::CUresult::CUDA_SUCCESS => return Ok(true),
-            sys::CUresult::CUDA_ERROR_NOT_READY => {}
-            e => return check(e, "cuEventQuery").map(|()| true),
-        }
-        let waited = start.elapsed();
-        if waited >= limit {
-            return Ok(false);
-        }
-        between();
-        if waited > Duration::from_millis(1) {
-            std::thread::yield_now();
-        } else {
-            std::hint::spin_loop();
-        }
-    }
-}
-
-fn load_kernel() -> Result<sys::CUfunction, CudaError> {
-    let ptx = std::ffi::CString::new(KERNEL_PTX).map_err(|_| CudaError("PTX has a NUL".into()))?;
-    let mut module: sys::CUmodule = std::ptr::null_mut();
-    check(
-        // SAFETY: ptx is a NUL-terminated PTX image; the context is current. The module is kept for
-        // the process's lifetime (one per worker).
-        unsafe { sys::cuModuleLoadData(&mut module, ptx.as_ptr().cast()) },
-        "cuModuleLoadData",
-    )?;
-    let mut f: sys::CUfunction = std::ptr::null_mut();
-    check(
-        // SAFETY: out-pointer to a live local; the name is NUL-terminated.
-        unsafe { sys::cuModuleGetFunction(&mut f, module, KERNEL_NAME.as_ptr()) },
-        "cuModuleGetFunction",
-    )?;
-    Ok(f)
-}
-
 /// A pinned, device-mapped host page of `cap` bytes for kernel descriptors.
 fn alloc_desc_page(cap: usize) -> Result<DescPage, CudaError> {
     let mut host: *mut c_void = std::ptr::null_mut();
@@ -1989,18 +1776,6 @@ fn free_desc_page(p: &DescPage) {
     // SAFETY: allocated by alloc_desc_page in the current context; the batch that used it
     // synchronised.
     let _ = unsafe { sys::cuMemFreeHost(p.host) };
-}
-
-fn dev_alloc(len: usize) -> Result<DevBuf, CudaError> {
-    let mut p: sys::CUdeviceptr = 0;
-    // SAFETY: out-pointer to a live local; the caller's thread has a current context.
-    check(unsafe { sys::cuMemAlloc_v2(&mut p, len) }, "cuMemAlloc")?;
-    Ok(DevBuf { ptr: p, len })
-}
-
-fn dev_free(b: &DevBuf) {
-    // SAFETY: b came from dev_alloc in the current context and nothing uses it any more.
-    let _ = unsafe { sys::cuMemFree_v2(b.ptr) };
 }
 
 #[cfg(test)]
