@@ -43,6 +43,7 @@ use crate::plan::{
 use crate::CUDA_DOMAIN;
 
 mod config;
+mod descriptors;
 mod events;
 mod kernel;
 mod numa;
@@ -52,6 +53,7 @@ pub use config::{
     POLL_LIMIT, TAIL_BYTES,
 };
 use config::{MAX_STREAMS, OPTIONS};
+use descriptors::DescPages;
 use events::{event_done, new_event, new_stream, poll_event, poll_event_with, record, wait_event};
 pub use kernel::KERNEL_PTX;
 use kernel::{dev_alloc, dev_free, DevBuf, Kernel};
@@ -630,16 +632,10 @@ struct Worker {
     mapped: Vec<Option<u64>>,
     plan: StagedPlan,
     descs: Vec<Desc>,
-    /// Host-mapped pinned pages the staged path's kernels read their descriptors from
-    /// (zero-copy, so a chunk is launched as soon as it is planned, with no upload ordered
-    /// before it). A batch appends to the last page and adds a page when it is full; nothing
+    /// Host-mapped pinned pages the staged path's kernels read their descriptors from. Nothing
     /// is rewritten before the batch synchronised, or (a batch started behind the running one,
-    /// with one page) before the running batch's gathers completed; a batch started after
-    /// the previous end begins by folding several pages into one large enough for what the
-    /// last batch needed.
-    desc_pages: Vec<DescPage>,
-    /// (page, byte offset) where the running batch's next descriptors go.
-    desc_cursor: (usize, usize),
+    /// with one page) before the running batch's gathers completed ([`Worker::gathers_done`]).
+    desc_pages: DescPages,
     /// Scratch of the host-order sort fallback.
     order: Vec<usize>,
     /// Whether [`Worker::prepare`] ran.
@@ -647,13 +643,6 @@ struct Worker {
     /// When the worker started ([`next_job_preparing`] prepares at the latest
     /// [`PREPARE_AFTER`] later).
     started: std::time::Instant,
-}
-
-/// A host-mapped pinned page of kernel descriptors (see `Worker::desc_pages`).
-struct DescPage {
-    host: *mut c_void,
-    dev: u64,
-    cap: usize,
 }
 
 impl Worker {
@@ -709,8 +698,7 @@ impl Worker {
             mapped,
             plan: StagedPlan::default(),
             descs: Vec::new(),
-            desc_pages: Vec::new(),
-            desc_cursor: (0, 0),
+            desc_pages: DescPages::new(),
             order: Vec::new(),
             prepared: false,
             started: std::time::Instant::now(),
@@ -780,8 +768,8 @@ impl Worker {
     fn prepare(&mut self) {
         self.prepared = true;
         if self.staging.is_some() && self.desc_pages.is_empty() {
-            match alloc_desc_page(DESC_PAGE_START) {
-                Ok(p) => self.desc_pages.push(p),
+            match self.desc_pages.add(DESC_PAGE_START) {
+                Ok(()) => {}
                 Err(e) => {
                     tracing::debug!(ordinal = self.ordinal, "no descriptor page ahead: {}", e.0)
                 }
@@ -1013,13 +1001,9 @@ impl Worker {
     /// that does; a batch that starts after every earlier one ended rewinds the page, or folds
     /// the pages into one).
     fn can_overlap(&self) -> bool {
-        let (page, off) = self.desc_cursor;
         self.may_overlap()
-            && (self
-                .desc_pages
-                .get(page)
-                .is_none_or(|p| page + 1 == self.desc_pages.len() && off <= p.cap / 2)
-                || (self.desc_pages.len() <= 1 && self.gathers_done()))
+            && (self.desc_pages.half_free()
+                || (self.desc_pages.page_count() <= 1 && self.gathers_done()))
     }
 
     /// Whether every gather kernel of the running batch has completed (`gather_done`, recorded
@@ -1394,12 +1378,12 @@ impl Worker {
             None => return Err(CudaError("no staging buffers".into())),
         };
         if !overlapped {
-            self.reset_desc_pages()?;
-        } else if self.desc_pages.len() <= 1 && self.gathers_done() {
+            self.desc_pages.reset()?;
+        } else if self.desc_pages.page_count() <= 1 && self.gathers_done() {
             // Started behind the running batch, whose gathers are done: no kernel reads the
             // page any more, so this batch's descriptors go from its start. (Several pages
             // are folded only after an end: freeing pinned memory may wait for the device.)
-            self.desc_cursor = (0, 0);
+            self.desc_pages.rewind();
         }
         // Reused buffers: steady-state planning allocates nothing.
         let mut plan = std::mem::take(&mut self.plan);
@@ -1492,7 +1476,7 @@ impl Worker {
                 }
             }
         }
-        let dev = self.stage_descs(&descs);
+        let dev = self.desc_pages.stage(&descs);
         let count = descs.len();
         self.descs = descs;
         let dev = dev?;
@@ -1592,57 +1576,6 @@ impl Worker {
         Ok(e)
     }
 
-    /// Starts a batch's descriptor pages: after the previous batch synchronised, nothing
-    /// reads them; several pages are folded into one as large as all of them together.
-    fn reset_desc_pages(&mut self) -> Result<(), CudaError> {
-        if self.desc_pages.len() > 1 {
-            let want: usize = self.desc_pages.iter().map(|p| p.cap).sum();
-            for p in self.desc_pages.drain(..) {
-                free_desc_page(&p);
-            }
-            self.desc_pages
-                .push(alloc_desc_page(want.next_power_of_two())?);
-        }
-        self.desc_cursor = (0, 0);
-        Ok(())
-    }
-
-    /// Copies `descs` into the running batch's descriptor pages (a new page when the last
-    /// one is full) and answers their device address.
-    fn stage_descs(&mut self, descs: &[Desc]) -> Result<u64, CudaError> {
-        let bytes = std::mem::size_of_val(descs);
-        let (mut page, mut off) = self.desc_cursor;
-        // Pages are only appended within a batch: the cursor is on the last one, or there is
-        // none yet.
-        if self
-            .desc_pages
-            .get(page)
-            .is_none_or(|p| p.cap - off < bytes)
-        {
-            let last = self.desc_pages.last().map_or(0, |p| p.cap);
-            let cap = bytes.next_power_of_two().max(last * 2).max(256 << 10);
-            self.desc_pages.push(alloc_desc_page(cap)?);
-            (page, off) = (self.desc_pages.len() - 1, 0);
-        }
-        let p = &self.desc_pages[page];
-        // SAFETY: the page holds `cap - off >= bytes` bytes from `off`, and no kernel of this
-        // batch reads that part (each chunk gets its own range; earlier batches synchronised,
-        // or their gathers, the only readers, completed: `Worker::gathers_done`);
-        // Desc is plain old data. The writes precede the launch that reads them in program
-        // order, and the launch makes them visible to the device.
-        unsafe {
-            std::ptr::copy_nonoverlapping(
-                descs.as_ptr().cast::<u8>(),
-                p.host.cast::<u8>().add(off),
-                bytes,
-            )
-        };
-        let dev = p.dev + off as u64;
-        // Keep every chunk's descriptors 16-byte aligned.
-        self.desc_cursor = (page, (off + bytes).next_multiple_of(16));
-        Ok(dev)
-    }
-
     /// The device pointer of pinned chunk `i` in this worker's context (looked up once).
     fn mapped_base(&mut self, i: usize) -> Result<u64, CudaError> {
         if let Some(b) = self.mapped[i] {
@@ -1714,9 +1647,7 @@ impl Drop for Worker {
             if !self.desc_host.0.is_null() {
                 let _ = sys::cuMemFreeHost(self.desc_host.0);
             }
-            for p in self.desc_pages.drain(..) {
-                free_desc_page(&p);
-            }
+            self.desc_pages.free_all();
             for e in self
                 .done
                 .iter()
@@ -1742,40 +1673,6 @@ impl Drop for Worker {
 /// offsets keep their alignment.
 fn round_up(n: u64) -> u64 {
     n.div_ceil(STAGING_ALIGN) * STAGING_ALIGN
-}
-
-/// A pinned, device-mapped host page of `cap` bytes for kernel descriptors.
-fn alloc_desc_page(cap: usize) -> Result<DescPage, CudaError> {
-    let mut host: *mut c_void = std::ptr::null_mut();
-    check(
-        // SAFETY: out-pointer to a live local; the caller's thread has a current context.
-        unsafe {
-            sys::cuMemHostAlloc(
-                &mut host,
-                cap,
-                sys::CU_MEMHOSTALLOC_DEVICEMAP | sys::CU_MEMHOSTALLOC_PORTABLE,
-            )
-        },
-        "cuMemHostAlloc (descriptors)",
-    )?;
-    let mut dev: sys::CUdeviceptr = 0;
-    let r = check(
-        // SAFETY: `host` was just allocated with DEVICEMAP.
-        unsafe { sys::cuMemHostGetDevicePointer_v2(&mut dev, host, 0) },
-        "cuMemHostGetDevicePointer (descriptors)",
-    );
-    if let Err(e) = r {
-        // SAFETY: allocated above, unused.
-        let _ = unsafe { sys::cuMemFreeHost(host) };
-        return Err(e);
-    }
-    Ok(DescPage { host, dev, cap })
-}
-
-fn free_desc_page(p: &DescPage) {
-    // SAFETY: allocated by alloc_desc_page in the current context; the batch that used it
-    // synchronised.
-    let _ = unsafe { sys::cuMemFreeHost(p.host) };
 }
 
 #[cfg(test)]
