@@ -115,3 +115,13 @@ pub(super) fn dev_free(b: &DevBuf) {
     // SAFETY: b came from dev_alloc in the current context and nothing uses it any more.
     let _ = unsafe { sys::cuMemFree_v2(b.ptr) };
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn ptx_is_embedded() {
+        assert!(KERNEL_PTX.contains(".entry pf_copy"));
+    }
+}
