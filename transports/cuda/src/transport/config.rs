@@ -156,7 +156,7 @@ pub struct CudaTransportConfig {
     #[doc(hidden)]
     #[serde(skip, default = "default_mark_bytes")]
     pub mark_bytes: u64,
-    /// The staged path's first chunk ([`FIRST_CHUNK_BYTES`]), in bytes. Not a setting:
+    /// The staged path's first chunk (`FIRST_CHUNK_BYTES`, 2 MiB), in bytes. Not a setting:
     /// `cuda_bench` varies it.
     #[doc(hidden)]
     #[serde(skip, default = "default_first_chunk_bytes")]

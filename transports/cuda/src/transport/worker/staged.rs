@@ -20,7 +20,8 @@ use std::ffi::c_void;
 use cudarc::driver::sys;
 use pegaflow_runtime::{CopyOp, Direction, OpParts};
 
-use super::{next_part, Tally, Worker};
+use super::batch::{next_part, Tally};
+use super::Worker;
 use crate::driver::{check, CudaError};
 use crate::plan::{push_descs, Desc, HostOrder, StagedPlan, STAGING_ALIGN};
 use crate::transport::events::{new_event, record};
