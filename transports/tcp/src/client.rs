@@ -7,6 +7,12 @@
 //! (balanced by bytes), sends one read request on each and reads the answer straight into
 //! the destination buffers' memory.
 //!
+//! A pooled connection may have been closed by the peer while it sat idle (its idle
+//! timeout, or an eviction to make room for another requester). A read that fails on a
+//! pooled connection before any byte of its answer arrived is therefore sent again, once,
+//! on a fresh connection (reads of a locked session are idempotent), as HTTP clients do
+//! with idempotent requests on reused keep-alive connections.
+//!
 //! Must never: write outside a destination buffer (every read is into the pieces of a
 //! range the caller checked against the buffer), keep using a connection after any error
 //! or timeout (it is dropped, never pooled), or outlive the deadline.
@@ -44,6 +50,28 @@ impl std::fmt::Debug for TcpDataPath {
 
 fn unreachable(e: impl std::fmt::Display) -> PeerDataError {
     PeerDataError::Unreachable(e.to_string())
+}
+
+/// A share's failure, and whether it came before any byte of the answer (the request may
+/// then be sent again on a fresh connection when this one was pooled).
+struct ShareError {
+    error: PeerDataError,
+    before_answer: bool,
+}
+
+impl ShareError {
+    fn before(e: impl std::fmt::Display) -> Self {
+        Self {
+            error: unreachable(e),
+            before_answer: true,
+        }
+    }
+    fn after(error: PeerDataError) -> Self {
+        Self {
+            error,
+            before_answer: false,
+        }
+    }
 }
 
 /// One connection's share of a pull: the ranges it asks for and where each lands.
@@ -95,19 +123,28 @@ impl TcpDataPath {
             .map_err(unreachable)?;
         match wire::parse_response_header(&h) {
             Ok((Status::Ok, _, 0)) => Ok(s),
-            Ok((st, _, _)) => Err(PeerDataError::Refused(format!("hello answered {st:?}"))),
+            Ok((st, _, len)) => {
+                // The source says why (a connection cap it is at, for `Busy`).
+                let mut msg = vec![0u8; (len as usize).min(wire::MAX_MESSAGE_BYTES)];
+                let _ = tokio::time::timeout_at(deadline.into(), s.read_exact(&mut msg)).await;
+                Err(PeerDataError::Refused(format!(
+                    "hello answered {st:?}: {}",
+                    String::from_utf8_lossy(&msg)
+                )))
+            }
             Err(e) => Err(PeerDataError::Refused(e)),
         }
     }
 
-    /// Takes `n` connections to `endpoint` (idle ones first, new ones greeted).
+    /// Takes `n` connections to `endpoint` (idle ones first, new ones greeted), each with
+    /// whether it was pooled.
     async fn take(
         &self,
         endpoint: &str,
         n: usize,
         deadline: Instant,
-    ) -> Result<Vec<TcpStream>, PeerDataError> {
-        let mut got: Vec<TcpStream> = {
+    ) -> Result<Vec<(TcpStream, bool)>, PeerDataError> {
+        let mut got: Vec<(TcpStream, bool)> = {
             let mut idle = self.idle.lock();
             let v = idle.entry(endpoint.to_owned()).or_default();
             // An idle connection the peer closed (it restarted, or dropped us) reads EOF, or
@@ -117,13 +154,13 @@ impl TcpDataPath {
                 matches!(c.try_read(&mut b), Err(e) if e.kind() == std::io::ErrorKind::WouldBlock)
             });
             let k = v.len().min(n);
-            v.drain(v.len() - k..).collect()
+            v.drain(v.len() - k..).map(|c| (c, true)).collect()
         };
         let missing = n - got.len();
         let opened =
             futures::future::join_all((0..missing).map(|_| self.open(endpoint, deadline))).await;
         for o in opened {
-            got.push(o?);
+            got.push((o?, false));
         }
         Ok(got)
     }
@@ -148,27 +185,27 @@ impl TcpDataPath {
         s: &mut TcpStream,
         session: &str,
         share: &Share,
-    ) -> Result<(), PeerDataError> {
+    ) -> Result<(), ShareError> {
         let seq = self.seq.fetch_add(1, Ordering::Relaxed);
         let req = wire::encode_read(seq, session, &share.ranges);
-        s.write_all(&req).await.map_err(unreachable)?;
+        s.write_all(&req).await.map_err(ShareError::before)?;
         let mut h = [0u8; wire::RESP_HEADER];
-        s.read_exact(&mut h).await.map_err(unreachable)?;
-        let (status, rseq, len) =
-            wire::parse_response_header(&h).map_err(PeerDataError::Refused)?;
+        s.read_exact(&mut h).await.map_err(ShareError::before)?;
+        let (status, rseq, len) = wire::parse_response_header(&h)
+            .map_err(|e| ShareError::after(PeerDataError::Refused(e)))?;
         if status != Status::Ok {
             let mut msg = vec![0u8; (len as usize).min(wire::MAX_MESSAGE_BYTES)];
             let _ = s.read_exact(&mut msg).await;
-            return Err(PeerDataError::Refused(format!(
+            return Err(ShareError::after(PeerDataError::Refused(format!(
                 "{status:?}: {}",
                 String::from_utf8_lossy(&msg)
-            )));
+            ))));
         }
         if rseq != seq || len != share.bytes {
-            return Err(PeerDataError::Refused(format!(
+            return Err(ShareError::after(PeerDataError::Refused(format!(
                 "answer for request {rseq} with {len} bytes, expected request {seq} with {}",
                 share.bytes
-            )));
+            ))));
         }
         for (r, (dest, off)) in share.ranges.iter().zip(&share.dests) {
             for p in dest.pieces(*off, r.len as usize) {
@@ -177,10 +214,38 @@ impl TcpDataPath {
                 // the `Arc` while this future exists, and tokio's read writes only during
                 // the poll that returns its count, so a dropped future writes nothing more.
                 let buf = unsafe { std::slice::from_raw_parts_mut(p.addr as *mut u8, p.len) };
-                s.read_exact(buf).await.map_err(unreachable)?;
+                s.read_exact(buf)
+                    .await
+                    .map_err(|e| ShareError::after(unreachable(e)))?;
             }
         }
         Ok(())
+    }
+
+    /// Runs `share` on `c`; when `c` was pooled and failed before any byte of the answer
+    /// (the peer closed it while it sat idle), once more on a fresh connection. Returns the
+    /// connection that served it.
+    async fn run_share_or_retry(
+        &self,
+        endpoint: &str,
+        (mut c, pooled): (TcpStream, bool),
+        session: &str,
+        share: &Share,
+        deadline: Instant,
+    ) -> Result<TcpStream, PeerDataError> {
+        match self.run_share(&mut c, session, share).await {
+            Ok(()) => Ok(c),
+            Err(e) if pooled && e.before_answer => {
+                tracing::debug!(endpoint, error = %e.error, "pooled data connection closed by the peer; reading on a fresh one");
+                drop(c);
+                let mut c = self.open(endpoint, deadline).await?;
+                self.run_share(&mut c, session, share)
+                    .await
+                    .map_err(|e| e.error)?;
+                Ok(c)
+            }
+            Err(e) => Err(e.error),
+        }
     }
 }
 
@@ -192,7 +257,7 @@ impl PeerDataPath for TcpDataPath {
 
     async fn connect(&self, endpoint: &str, deadline: Instant) -> Result<(), PeerDataError> {
         let c = self.take(endpoint, 1, deadline).await?;
-        self.give_back(endpoint, c);
+        self.give_back(endpoint, c.into_iter().map(|(c, _)| c).collect());
         Ok(())
     }
 
@@ -255,11 +320,9 @@ impl PeerDataPath for TcpDataPath {
         let work = async {
             let conns = self.take(endpoint, shares.len(), deadline).await?;
             let results =
-                futures::future::join_all(conns.into_iter().zip(&shares).map(
-                    |(mut c, share)| async move {
-                        self.run_share(&mut c, session, share).await.map(|()| c)
-                    },
-                ))
+                futures::future::join_all(conns.into_iter().zip(&shares).map(|(c, share)| {
+                    self.run_share_or_retry(endpoint, c, session, share, deadline)
+                }))
                 .await;
             let mut ok = Vec::with_capacity(results.len());
             let mut first_err = None;

@@ -17,7 +17,9 @@
 //! turns the delegate on with its data port. The data path is a [`PeerDataPath`]: an RDMA
 //! backend replaces [`client::TcpDataPath`] and keeps the rest.
 
+pub mod burst_log;
 pub mod client;
+pub mod conns;
 pub mod fetch;
 pub mod locks;
 pub mod metrics;
@@ -67,9 +69,23 @@ pub struct TcpPeerConfig {
     /// RESOURCE_EXHAUSTED).
     #[serde(default = "default_max_locked")]
     pub max_locked_blocks: usize,
-    /// Data-port connections at once, at most.
+    /// Data-port connections at once, at most. When full, a connection from an address
+    /// holding fewer connections than the busiest address evicts that address's connection
+    /// idle longest (never one carrying a live fetch); else it is refused.
     #[serde(default = "default_max_conns")]
     pub max_data_connections: usize,
+    /// Data-port connections at once from one IP address, at most (requesters sharing an
+    /// address share it).
+    #[serde(default = "default_max_conns_per_address")]
+    pub max_data_connections_per_address: usize,
+    /// Greeted data-port connections at once of one requester id (one requesting server
+    /// process), at most. At least `connections_per_peer`.
+    #[serde(default = "default_max_conns_per_requester")]
+    pub max_data_connections_per_requester: usize,
+    /// A greeted data-port connection with no read for this long is closed, in seconds,
+    /// unless its requester holds a transfer lock here (a fetch between lock and release).
+    #[serde(default = "default_data_idle_timeout_secs")]
+    pub data_idle_timeout_secs: u64,
     /// Longest wait for one socket operation on the data port, in milliseconds (a
     /// requester that stops reading loses its connection after it).
     #[serde(default = "default_io_timeout_ms")]
@@ -122,6 +138,15 @@ pub fn default_max_locked() -> usize {
 pub fn default_max_conns() -> usize {
     1024
 }
+fn default_max_conns_per_address() -> usize {
+    256
+}
+fn default_max_conns_per_requester() -> usize {
+    128
+}
+fn default_data_idle_timeout_secs() -> u64 {
+    30
+}
 fn default_io_timeout_ms() -> u64 {
     2_000
 }
@@ -160,6 +185,9 @@ impl Default for TcpPeerConfig {
             transfer_lock_timeout_secs: default_lock_cap(),
             max_locked_blocks: default_max_locked(),
             max_data_connections: default_max_conns(),
+            max_data_connections_per_address: default_max_conns_per_address(),
+            max_data_connections_per_requester: default_max_conns_per_requester(),
+            data_idle_timeout_secs: default_data_idle_timeout_secs(),
             io_timeout_ms: default_io_timeout_ms(),
             fetch_timeout_ms: default_fetch_timeout_ms(),
             connect_timeout_ms: default_connect_timeout_ms(),
@@ -175,8 +203,9 @@ impl TcpPeerConfig {
     /// Refuses values out of range (`what` names the entry).
     ///
     /// # Errors
-    /// A zero lease or cap, a connection count outside 1..=64, a data address that does not
-    /// parse as `host:port`.
+    /// A zero lease or cap, a connection count outside 1..=64, a zero connection cap or
+    /// idle timeout, a per-requester cap below `connections_per_peer`, a data address that
+    /// does not parse as `host:port`.
     pub fn check(&self, what: &str) -> anyhow::Result<()> {
         if self.transfer_lock_timeout_secs == 0 || self.lock_lease_ms == 0 {
             anyhow::bail!("{what}: transfer_lock_timeout_secs and lock_lease_ms must be > 0");
@@ -189,6 +218,21 @@ impl TcpPeerConfig {
                 "{what}: fetch_timeout_ms, io_timeout_ms and connect_timeout_ms must be > 0"
             );
         }
+        if self.max_data_connections == 0
+            || self.max_data_connections_per_address == 0
+            || self.data_idle_timeout_secs == 0
+        {
+            anyhow::bail!(
+                "{what}: max_data_connections, max_data_connections_per_address and data_idle_timeout_secs must be > 0"
+            );
+        }
+        if self.max_data_connections_per_requester < self.connections_per_peer {
+            anyhow::bail!(
+                "{what}: max_data_connections_per_requester ({}) is below connections_per_peer ({}): a requester configured like this node could not open its connections",
+                self.max_data_connections_per_requester,
+                self.connections_per_peer
+            );
+        }
         if !self.data_addr.contains(':') {
             anyhow::bail!(
                 "{what}: data_addr {:?} is not host:port (e.g. 0.0.0.0:50060)",
@@ -196,6 +240,22 @@ impl TcpPeerConfig {
             );
         }
         Ok(())
+    }
+}
+
+impl TcpPeerConfig {
+    /// The data port's settings these settings give (log lines at most every
+    /// [`serve::LOG_EVERY`]).
+    pub fn serve_limits(&self) -> serve::ServeLimits {
+        serve::ServeLimits {
+            max_connections: self.max_data_connections,
+            max_per_address: self.max_data_connections_per_address,
+            max_per_requester: self.max_data_connections_per_requester,
+            io_timeout: Duration::from_millis(self.io_timeout_ms),
+            idle_timeout: Duration::from_secs(self.data_idle_timeout_secs),
+            max_read_bytes: self.max_fetch_bytes,
+            log_every: serve::LOG_EVERY,
+        }
     }
 }
 
@@ -415,12 +475,7 @@ fn build(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn PeerSe
         c.max_locked_blocks,
         metrics.clone(),
     ));
-    let limits = serve::ServeLimits {
-        max_connections: c.max_data_connections,
-        io_timeout: Duration::from_millis(c.io_timeout_ms),
-        idle_timeout: Duration::from_secs(600),
-        max_read_bytes: c.max_fetch_bytes,
-    };
+    let limits = c.serve_limits();
     tokio::spawn(serve::serve(
         listener,
         locks.clone(),
@@ -471,7 +526,10 @@ inventory::submit! {
                 PluginOption { name: "lock_lease_ms", help: "a transfer lock's lease in ms: it ends this long after its last read unless released" },
                 PluginOption { name: "transfer_lock_timeout_secs", help: "the longest a transfer lock lives, in seconds (PegaFlow's --transfer-lock-timeout-secs)" },
                 PluginOption { name: "max_locked_blocks", help: "blocks locked for peers at once, at most" },
-                PluginOption { name: "max_data_connections", help: "data-port connections at once, at most" },
+                PluginOption { name: "max_data_connections", help: "data-port connections at once, at most; when full, a requester holding fewer evicts the busiest address's connection idle longest (never one carrying a fetch), else it is refused" },
+                PluginOption { name: "max_data_connections_per_address", help: "data-port connections at once from one IP address, at most" },
+                PluginOption { name: "max_data_connections_per_requester", help: "greeted data-port connections at once of one requester (one server process), at most; at least connections_per_peer" },
+                PluginOption { name: "data_idle_timeout_secs", help: "a greeted data-port connection with no read for this long is closed, unless its requester holds a transfer lock here, in seconds" },
                 PluginOption { name: "io_timeout_ms", help: "longest wait for one data-port socket operation, in ms" },
                 PluginOption { name: "fetch_timeout_ms", help: "longest fetch from a peer (lock, pull, release), in ms" },
                 PluginOption { name: "connect_timeout_ms", help: "longest wait for a connection to a peer, in ms" },
@@ -522,6 +580,15 @@ mod check_tests {
         let mut t = toml::Table::new();
         t.insert("connections_per_peer".into(), 0.into());
         assert!((f.config.check)("tcp peer", &t).is_err());
+        for (k, v) in [
+            ("max_data_connections_per_address", 0),
+            ("data_idle_timeout_secs", 0),
+            ("max_data_connections_per_requester", 3),
+        ] {
+            let mut t = toml::Table::new();
+            t.insert(k.into(), v.into());
+            assert!((f.config.check)("tcp peer", &t).is_err(), "{k} = {v}");
+        }
         let mut t = toml::Table::new();
         t.insert("data_addr".into(), "bogus".into());
         assert!((f.config.check)("tcp peer", &t).is_err());

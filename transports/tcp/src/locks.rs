@@ -70,6 +70,8 @@ struct Inner {
     sessions: HashMap<String, Session>,
     /// Live (greeted) data connections per requester id.
     conns: HashMap<Arc<str>, usize>,
+    /// Live sessions per requester id.
+    sessions_of: HashMap<Arc<str>, usize>,
     held_blocks: usize,
 }
 
@@ -134,6 +136,12 @@ impl Locks {
         };
         let n = s.locked.blocks.len();
         inner.held_blocks -= n;
+        if let Some(c) = inner.sessions_of.get_mut(&s.requester) {
+            *c -= 1;
+            if *c == 0 {
+                inner.sessions_of.remove(&s.requester);
+            }
+        }
         self.metrics
             .lock_releases
             .with_label_values(&[reason])
@@ -161,10 +169,15 @@ impl Locks {
             });
         }
         inner.held_blocks += n;
+        let requester: Arc<str> = match inner.sessions_of.get_key_value(requester) {
+            Some((k, _)) => k.clone(),
+            None => requester.into(),
+        };
+        *inner.sessions_of.entry(requester.clone()).or_insert(0) += 1;
         inner.sessions.insert(
             id.clone(),
             Session {
-                requester: requester.into(),
+                requester,
                 locked: Arc::new(locked),
                 created: now,
                 expires: now + self.lease,
@@ -194,6 +207,12 @@ impl Locks {
         }
         s.expires = (now + self.lease).min(s.created + self.cap);
         Some(s.locked.clone())
+    }
+
+    /// Whether `requester` holds a live session (a fetch between its lock and its release:
+    /// its data connections are not to be closed for idleness).
+    pub fn has_sessions(&self, requester: &str) -> bool {
+        self.inner.lock().sessions_of.contains_key(requester)
     }
 
     /// A greeted data connection of `requester` opened.
@@ -315,8 +334,10 @@ mod tests {
         let _b = t.lock("other", empty()).unwrap();
         assert_eq!(t.disconnected(&r), 0, "one connection is left");
         assert!(t.touch(&a).is_some());
+        assert!(t.has_sessions("req"));
         assert_eq!(t.disconnected(&r), 1);
         assert!(t.touch(&a).is_none());
+        assert!(!t.has_sessions("req") && t.has_sessions("other"));
         assert_eq!(
             t.inner.lock().sessions.len(),
             1,
@@ -349,8 +370,10 @@ mod tests {
         let blocks = |n| Locked::new(vec![], vec![]).with_fake_count(n);
         let a = t.lock("r", blocks(3)).unwrap();
         assert!(t.lock("r", blocks(2)).is_err(), "4 blocks at most");
+        assert!(t.has_sessions("r"));
         assert_eq!(t.release(&a), 3);
         assert_eq!(t.release(&a), 0);
+        assert!(!t.has_sessions("r"));
         assert_eq!(t.held_blocks(), 0);
         assert_eq!(t.metrics.locks_held.get(), 0);
     }

@@ -23,10 +23,18 @@ pub struct PeerMetrics {
     pub lock_timeouts: IntCounter,
     /// QueryBlocksForTransfer refused because `max_locked_blocks` were locked already.
     pub lock_refusals: IntCounter,
-    /// Open data-port connections (source side).
+    /// Open data-port connections (source side), greeted or not.
     pub data_connections: IntGauge,
-    /// Data-port connections refused at `max_data_connections`.
-    pub data_connections_refused: IntCounter,
+    /// Of those, greeted ones with no read request in flight.
+    pub data_connections_idle: IntGauge,
+    /// Data-port connections refused, by reason: `full` (`max_data_connections` held and
+    /// none evictable), `per_address` (`max_data_connections_per_address`), `per_requester`
+    /// (`max_data_connections_per_requester`).
+    pub data_connections_refused: IntCounterVec,
+    /// Data-port connections the source closed on its own, by reason: `idle` (no request
+    /// for `data_idle_timeout_secs` and no transfer lock held by its requester), `evicted`
+    /// (made room for a requester holding fewer connections on a full port).
+    pub data_connections_closed: IntCounterVec,
     /// Read requests served on the data port, by outcome: `ok`, `no_session`,
     /// `out_of_bounds`, `bad_request`, `write_failed`.
     pub serve_requests: IntCounterVec,
@@ -94,9 +102,19 @@ impl PeerMetrics {
                 "pegaflow_peer_data_connections",
                 "Open connections on the peer data port",
             ),
-            data_connections_refused: c(
+            data_connections_idle: g(
+                "pegaflow_peer_data_connections_idle",
+                "Greeted peer data-port connections with no read request in flight",
+            ),
+            data_connections_refused: cv(
                 "pegaflow_peer_data_connections_refused_total",
-                "Peer data-port connections refused at max_data_connections",
+                "Peer data-port connections refused, by reason (full, per_address, per_requester)",
+                "reason",
+            ),
+            data_connections_closed: cv(
+                "pegaflow_peer_data_connections_closed_total",
+                "Peer data-port connections closed by the source, by reason (idle, evicted)",
+                "reason",
             ),
             serve_requests: cv(
                 "pegaflow_peer_serve_requests_total",

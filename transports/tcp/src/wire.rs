@@ -5,7 +5,9 @@
 //! - [`Op::Hello`] (first frame of a connection, once): the requester id (UTF-8, ≤
 //!   [`MAX_ID_BYTES`]). The source acknowledges with an empty OK response, after which the
 //!   requester's transfer sessions are bound to the connection: when the requester's last
-//!   connection closes, its sessions are released at once.
+//!   connection closes, its sessions are released at once. A source at one of its
+//!   connection caps answers [`Status::Busy`] with a message instead (also unasked, on
+//!   arrival) and closes the connection.
 //! - [`Op::Read`]: `seq u64 | session_len u16 | session | n u32 | n × (addr u64, len u64)`.
 //!   The source checks that every range lies inside a slot of a block locked under the
 //!   session (and renews the session's lease), then answers.
@@ -51,6 +53,9 @@ pub enum Status {
     OutOfBounds = 2,
     /// The request was malformed.
     BadRequest = 3,
+    /// The connection was refused at one of the source's connection caps (the message
+    /// names it).
+    Busy = 4,
 }
 
 impl Status {
@@ -61,6 +66,7 @@ impl Status {
             1 => Status::NoSession,
             2 => Status::OutOfBounds,
             3 => Status::BadRequest,
+            4 => Status::Busy,
             _ => return None,
         })
     }
