@@ -721,3 +721,156 @@ fn plain_socket_copy(len: usize) -> Duration {
     assert!(dst.iter().all(|&b| b == 0x5A));
     took
 }
+
+/// The data port of `node`, as a peer learns it (the `RdmaHandshake` answer).
+async fn data_port(node: &Node) -> u16 {
+    use pegaflow_proto as pb;
+    let mut c = pb::engine_client::EngineClient::connect(node.endpoint())
+        .await
+        .expect("connect");
+    let answer = c
+        .rdma_handshake(pb::RdmaHandshakeRequest {
+            requester_id: "test".into(),
+            handshake_metadata: b"pegaflow-tcp/1".to_vec(),
+        })
+        .await
+        .expect("handshake")
+        .into_inner()
+        .handshake_metadata;
+    let answer = String::from_utf8(answer).expect("utf-8");
+    answer
+        .rsplit_once("port=")
+        .and_then(|(_, p)| p.trim().parse().ok())
+        .unwrap_or_else(|| panic!("no data port in {answer:?}"))
+}
+
+/// Raises the soft RLIMIT_NOFILE to `need` where the hard limit allows; whether `need`
+/// descriptors may be open now.
+fn enough_descriptors(need: u64) -> bool {
+    let mut l = libc::rlimit {
+        rlim_cur: 0,
+        rlim_max: 0,
+    };
+    // SAFETY: getrlimit writes the struct it is given.
+    if unsafe { libc::getrlimit(libc::RLIMIT_NOFILE, &mut l) } != 0 {
+        return false;
+    }
+    if l.rlim_cur >= need {
+        return true;
+    }
+    if l.rlim_max < need {
+        return false;
+    }
+    l.rlim_cur = need;
+    // SAFETY: setrlimit reads the struct it is given.
+    unsafe { libc::setrlimit(libc::RLIMIT_NOFILE, &l) == 0 }
+}
+
+/// A data connection to `127.0.0.1:port` from `from`, greeted as `requester` (the data
+/// port's hello: magic `PFTD`, op 1, the id's length, the id); the stream once the source
+/// acknowledged it, `None` when it refused or closed it.
+async fn greet_data_port(
+    from: std::net::IpAddr,
+    port: u16,
+    requester: &str,
+) -> Option<tokio::net::TcpStream> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let go = async {
+        let sock = tokio::net::TcpSocket::new_v4().ok()?;
+        sock.bind((from, 0).into()).ok()?;
+        let mut s = sock.connect(([127, 0, 0, 1], port).into()).await.ok()?;
+        let mut hello = b"PFTD\x01\0\0\0".to_vec();
+        hello.extend_from_slice(&(requester.len() as u32).to_le_bytes());
+        hello.extend_from_slice(requester.as_bytes());
+        s.write_all(&hello).await.ok()?;
+        let mut ack = [0u8; 24];
+        s.read_exact(&mut ack).await.ok()?;
+        // Status 0 (OK) with no payload.
+        (ack[..4] == *b"PFTD" && ack[4] == 0 && ack[16..] == [0u8; 8]).then_some(s)
+    };
+    tokio::time::timeout(Duration::from_secs(5), go)
+        .await
+        .ok()
+        .flatten()
+}
+
+/// One client greets 1,100 data connections on the source and keeps them idle (issue 41:
+/// it used to hold all 1,024 slots for the 600-s idle timeout, a fresh peer fetched 0 of
+/// 4 runs, and the source wrote a WARN line per refused connection). Now it holds its
+/// requester's 128; the rest are refused, counted, and logged in a line or two with their
+/// count; the requester fetches all 4 runs byte-exact; once the client leaves, the source
+/// holds no lock and only the requester's pooled connections.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_holding_1100_idle_data_connections_locks_no_peer_out() {
+    const TEST: &str = "a_client_holding_1100_idle_data_connections_locks_no_peer_out";
+    let Some(env) = env(TEST) else {
+        return;
+    };
+    if !enough_descriptors(4096) {
+        println!("SKIP: {TEST}: RLIMIT_NOFILE's hard limit is below 4096");
+        return;
+    }
+    let o = env.opts("flood");
+    let a = Node::start(&env.bin, "source", &o);
+    let b = Node::start(&env.bin, "requester", &o);
+    let mut wa = worker(&a, "inst-a", SMALL).await;
+    let mut wb = worker(&b, "inst-b", SMALL).await;
+    let runs: Vec<Vec<Vec<u8>>> = (0..4).map(|r| hashes(&format!("flood-{r}"), 8)).collect();
+    for (r, hs) in runs.iter().enumerate() {
+        save(&mut wa, r * 8, hs).await;
+    }
+    for hs in &runs {
+        wait_listed(&env, "flood", &a, hs).await;
+    }
+
+    let port = data_port(&a).await;
+    let hog = std::net::IpAddr::from([127, 0, 0, 2]);
+    let t0 = Instant::now();
+    let mut held = Vec::new();
+    for _ in 0..1100 {
+        held.extend(greet_data_port(hog, port, "hog").await);
+    }
+    let flood = t0.elapsed();
+    assert_eq!(held.len(), 128, "max_data_connections_per_requester");
+    assert_eq!(
+        a.metric(
+            "pegaflow_peer_data_connections_refused_total",
+            &[("reason", "per_requester")]
+        ),
+        972.0
+    );
+
+    for (r, hs) in runs.iter().enumerate() {
+        let s = settle_all(&mut wb, hs, 8, Duration::from_secs(15)).await;
+        load_exact(&mut wb, &s.lease, r * 8, hs).await;
+    }
+    assert_eq!(b.metric("pegaflow_peer_fetch_blocks_total", &[]), 32.0);
+    assert_eq!(b.metric("pegaflow_peer_fetch_failures_total", &[]), 0.0);
+
+    // At most one line per 10 s, the first at once, each with its count.
+    let log = a.log();
+    let lines: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("peer data port: connections refused or evicted"))
+        .collect();
+    println!(
+        "972 refusals over {flood:?}: {} log lines on the source",
+        lines.len()
+    );
+    assert!(!lines.is_empty(), "the refusals are logged");
+    assert!(lines.len() as u64 <= 2 + flood.as_secs() / 10, "{lines:#?}");
+    assert!(lines[0].contains("per_requester"), "{}", lines[0]);
+
+    drop(held);
+    let left = within(Duration::from_secs(3), || {
+        a.metric("pegaflow_peer_data_connections", &[]) <= 4.0
+            && a.metric("pegaflow_transfer_locks_held", &[]) == 0.0
+    })
+    .await;
+    assert!(
+        left.is_some(),
+        "the source keeps only the requester's pooled connections and no lock: {} connections, {} locked blocks",
+        a.metric("pegaflow_peer_data_connections", &[]),
+        a.metric("pegaflow_transfer_locks_held", &[])
+    );
+}

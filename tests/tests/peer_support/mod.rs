@@ -234,6 +234,11 @@ impl Node {
         }
     }
 
+    /// Its whole log (stdout and stderr).
+    pub fn log(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+
     /// The last 4 KiB of its log.
     pub fn log_tail(&self) -> String {
         let s = std::fs::read_to_string(&self.log).unwrap_or_default();
