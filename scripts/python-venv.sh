@@ -12,9 +12,11 @@ VENV="${VENV:-$ROOT/.venv}"
 PYTHON="${PYTHON:-python3}"
 
 # The published client the server must stay compatible with, and the test tools (numpy: the
-# end-to-end harness's layout conversion is tested over numpy arrays, tests/python/test_e2e_*).
+# end-to-end harness's layout conversion is tested over numpy arrays, tests/python/test_e2e_*;
+# msgspec and pyzmq: the KV-events subscriber of tests/python/test_kv_events.py, written as
+# vLLM's is).
 PEGAFLOW_PKG="pegaflow-llm-cu13==0.25.1"
-REQS=("$PEGAFLOW_PKG" "pytest" "grpcio" "numpy")
+REQS=("$PEGAFLOW_PKG" "pytest" "grpcio" "numpy" "msgspec" "pyzmq")
 
 if [[ ! -x "$VENV/bin/python" ]]; then
     echo "python-venv: creating $VENV with $("$PYTHON" --version 2>&1)"
@@ -27,7 +29,8 @@ PY="$VENV/bin/python"
 if "$PY" - "${REQS[@]}" <<'PYEOF'
 import sys
 from importlib import metadata
-want = {"pegaflow-llm-cu13": "0.25.1", "pytest": None, "grpcio": None, "numpy": None}
+want = {"pegaflow-llm-cu13": "0.25.1", "pytest": None, "grpcio": None, "numpy": None,
+        "msgspec": None, "pyzmq": None}
 for name, ver in want.items():
     try:
         have = metadata.version(name)
@@ -51,7 +54,9 @@ from pegaflow.pegaflow import EngineRpcClient, PyLoadState, QueryReady, QueryLoa
 from pegaflow import PegaFlowError, PegaflowInternal  # noqa: F401
 import grpc  # noqa: F401
 import numpy  # noqa: F401
+import msgspec  # noqa: F401
 import pytest  # noqa: F401
+import zmq  # noqa: F401
 import pegaflow
 print("python-venv: ok (pegaflow", getattr(pegaflow, "__version__", "?") + ")")
 PYEOF
