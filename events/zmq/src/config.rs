@@ -154,9 +154,11 @@ pub(crate) fn parse_endpoint(key: &'static str, endpoint: &str) -> Result<Target
         }
         h => match h.parse::<IpAddr>() {
             Ok(a) => TcpHost::Ip(a),
-            Err(_) if h.contains(':') => return Err(bad(format!(
+            Err(_) if h.contains(':') => {
+                return Err(bad(format!(
                 "{endpoint:?}: {h} is not an IP address (IPv6 goes in brackets: tcp://[::1]:5557)"
-            ))),
+            )))
+            }
             Err(_) => TcpHost::Name(h.to_string()),
         },
     };

@@ -30,6 +30,10 @@ const PUB_LINGER_MS: i32 = 100;
 const IDLE_WAKE: Duration = Duration::from_millis(100);
 /// How long the replay thread waits for a request before it looks at the stop flag.
 const REPLAY_POLL_MS: i32 = 100;
+/// The largest message frame a peer may send: a subscription (topic prefix) to the PUB
+/// socket, a replay request to the ROUTER. libzmq disconnects a peer that sends more.
+const PUB_MAX_INBOUND_BYTES: i64 = 4096;
+const REPLAY_MAX_INBOUND_BYTES: i64 = 64;
 
 /// One `try_publish` call waiting for the thread.
 struct Item {
@@ -114,6 +118,7 @@ impl EventPublisher {
         let pub_target = parse_endpoint("endpoint", &config.endpoint)?;
         let setup = |s: &zmq::Socket| -> Result<(), zmq::Error> {
             s.set_sndhwm(i32::try_from(config.hwm).unwrap_or(i32::MAX))?;
+            s.set_maxmsgsize(PUB_MAX_INBOUND_BYTES)?;
             s.set_linger(PUB_LINGER_MS)?;
             s.set_ipv6(is_ipv6(&pub_target))
         };
@@ -131,6 +136,7 @@ impl EventPublisher {
         .map_err(zerr("PUB", &config.endpoint))?;
         let monitor = context
             .socket(zmq::PAIR)
+            .and_then(|m| m.set_linger(0).map(|()| m))
             .and_then(|m| m.connect(&monitor_ep).map(|()| m))
             .map_err(zerr("PUB", &config.endpoint))?;
         let pub_endpoint = if config.binds_pub() {
@@ -150,6 +156,7 @@ impl EventPublisher {
                 let step_ms = config.replay_timeout_ms.min(REPLAY_POLL_MS as u64) as i32;
                 router
                     .set_router_mandatory(true)
+                    .and_then(|()| router.set_maxmsgsize(REPLAY_MAX_INBOUND_BYTES))
                     .and_then(|()| router.set_linger(0))
                     .and_then(|()| router.set_rcvtimeo(REPLAY_POLL_MS))
                     .and_then(|()| router.set_sndtimeo(step_ms))
@@ -192,8 +199,9 @@ impl EventPublisher {
             std::thread::Builder::new()
                 .name("pegaflow-events".into())
                 .spawn(move || {
+                    // Marks the publisher stopped however the thread ends (a panic too).
+                    let _stopped = StoppedOnExit(sender.shared.clone());
                     sender.run();
-                    sender.shared.stopped.store(true, Ordering::Release);
                 })
                 .map_err(EventsError::Thread)?,
         );
@@ -321,6 +329,14 @@ impl EventPublisher {
     /// in it can cause before drop).
     pub fn is_running(&self) -> bool {
         !self.shared.stopped.load(Ordering::Acquire)
+    }
+}
+
+struct StoppedOnExit(Arc<Shared>);
+
+impl Drop for StoppedOnExit {
+    fn drop(&mut self) {
+        self.0.stopped.store(true, Ordering::Release);
     }
 }
 

@@ -438,3 +438,26 @@ fn ipc_endpoints_work() {
     drop(publisher);
     let _ = std::fs::remove_dir_all(&dir);
 }
+
+#[test]
+fn an_oversized_replay_request_is_refused_and_others_still_served() {
+    let publisher = EventPublisher::start(&config()).unwrap();
+    publisher.try_publish(removed(5)).unwrap();
+    wait_numbered(&publisher, 1);
+    let ctx = zmq::Context::new();
+    let big = dealer(&ctx, &publisher);
+    big.set_rcvtimeo(500).unwrap();
+    big.send_multipart([&b""[..], &[0u8; 1024][..]], 0).unwrap();
+    assert!(
+        big.recv_multipart(0).is_err(),
+        "a 1 KiB request gets no answer: libzmq drops the peer"
+    );
+    let d = dealer(&ctx, &publisher);
+    let got = replay(&d, &[b"", &0u64.to_be_bytes()]);
+    assert_eq!(got.len(), 1);
+    assert_eq!(
+        publisher.stats().replay_requests,
+        1,
+        "the oversized one never arrived"
+    );
+}
