@@ -184,7 +184,7 @@ pub struct ServerConfig {
     /// answer when the copy ends, so that the client's threads, asleep through the copy, are
     /// awake by then. Default true; false sends the headers with the answer. On the H200
     /// machine the published client saw its answer ~150 µs sooner after a 10 ms Save
-    /// (docs/BENCHMARKS.md §13). A Save that fails after its headers carries its error in the
+    /// (docs/benchmarks/log/cuda.md §13). A Save that fails after its headers carries its error in the
     /// trailers, as any gRPC status after a response's headers.
     #[serde(default = "default_true")]
     pub save_headers_early: bool,

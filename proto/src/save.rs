@@ -4,7 +4,7 @@
 //! A 256-block Save of a 32-layer model carries 8,192 hashes. Decoded as `repeated bytes` into
 //! `Vec<Vec<u8>>`, each hash costs a reference-counted split of the request buffer, an
 //! allocation, a copy and a free: on the 2-core development VM that was ~1.1 ms of the ~1.6 ms
-//! of server CPU per Save request, serial with the copy (docs/BENCHMARKS.md §13). Here:
+//! of server CPU per Save request, serial with the copy (docs/benchmarks/log/cuda.md §13). Here:
 //! - [`HashList`] keeps a layer's hashes back to back in one `Vec<u8>` with their end offsets,
 //!   so a layer costs two growing vectors whatever its block count;
 //! - [`SaveRequest`] decodes each `SaveLayer` from one contiguous slice when the request buffer

@@ -451,7 +451,7 @@ async fn simultaneous_mutual_fetches_both_land() {
 /// processes, by hand: `cargo build --release --bin pegaflow-server`, then
 /// `PEGAFLOW_SERVER_BIN=target/release/pegaflow-server cargo test -p pegaflow-tests --test
 /// peer_rdma_emu -- --ignored --nocapture rdma_emu_fetch_throughput`. Prints GB/s
-/// (docs/BENCHMARKS.md §12); asserts only that the bytes are exact. An emulator figure: the
+/// (docs/benchmarks/log/peer.md §12); asserts only that the bytes are exact. An emulator figure: the
 /// copies are `pread`s of the holder's memory on this machine, not a NIC's DMA.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 #[ignore = "a measurement, run by hand with the release server"]

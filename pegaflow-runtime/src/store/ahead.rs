@@ -2,7 +2,7 @@
 //!
 //! Without it, a Save into a full pool evicts on its own path what its blocks take: with 8 KiB
 //! blocks that is 4,096 evictions per 32 MiB Save, about a quarter of the Save's engine work on
-//! this project's VM (docs/BENCHMARKS.md §4). With it, each allocation records its size and,
+//! this project's VM (docs/benchmarks/log/query-and-shm.md §4). With it, each allocation records its size and,
 //! when the pool's free bytes fall below the target, wakes the thread, which evicts least
 //! recently used unreferenced blocks (the same walk and the same demotion as an allocation's
 //! own eviction) until the free bytes, plus the bytes waiting in the demotion queue (freed once

@@ -17,7 +17,7 @@ pub const DEFAULT_THREADS: usize = 4;
 /// Batches of at least this many bytes are split across threads unless `parallel_threshold`
 /// says otherwise (32 MiB). One thread copying from memory not in the cache is bound by its
 /// own loads' latency: on the development VM a 32 MiB Save of 8 KiB blocks copied in 4.5–6.4 ms
-/// on one thread and 2.7–2.9 ms on two (docs/BENCHMARKS.md §4).
+/// on one thread and 2.7–2.9 ms on two (docs/benchmarks/log/query-and-shm.md §4).
 pub const DEFAULT_PARALLEL_THRESHOLD: usize = 32 << 20;
 
 /// Smallest share of a batch worth a thread of its own, in bytes (16 MiB).
@@ -38,7 +38,7 @@ pub enum StreamingStores {
     Saves,
     /// Saves and Loads (the default). A Load's destination is the client's memory, usually
     /// far larger than the cache: on the development VM an 8 KiB-block Load of 32 MiB took
-    /// 3.7–4.3 ms with streaming stores against 6.8 ms through the cache (docs/BENCHMARKS.md §4).
+    /// 3.7–4.3 ms with streaming stores against 6.8 ms through the cache (docs/benchmarks/log/query-and-shm.md §4).
     #[default]
     All,
 }

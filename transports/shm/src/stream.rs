@@ -6,7 +6,7 @@
 //! later; a cached copy spends half its memory traffic reading each destination line before
 //! overwriting it (read for ownership) and then evicts useful lines. On the development VM a
 //! copy of 8 KiB blocks into a 512 MiB pool ran at 14–16 GB/s with streaming stores against
-//! 6–8 GB/s with the C library's `memcpy` (docs/BENCHMARKS.md §4).
+//! 6–8 GB/s with the C library's `memcpy` (docs/benchmarks/log/query-and-shm.md §4).
 //!
 //! Streaming stores are weakly ordered: the thread that issued them must run [`fence`]
 //! before anything it publishes afterwards (the batch's completion) can be relied on to see

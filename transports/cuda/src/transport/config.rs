@@ -131,7 +131,7 @@ pub struct CudaTransportConfig {
     pub blocks_per_sm: u32,
     /// `wait`: how a worker waits for a batch's end: `"tail"` (default), `"sleep"` or
     /// `"spin"` ([`Wait`]). On the H200 machine `tail` moved a 512 MiB Save in 9.90 ms
-    /// against 10.10 ms with `sleep` (docs/BENCHMARKS.md §13).
+    /// against 10.10 ms with `sleep` (docs/benchmarks/log/cuda.md §13).
     pub wait: Wait,
     /// `idle_poll_us`: after a batch, a worker polls its queue for this many µs before it
     /// sleeps on it, so that a Save or Load that follows within that time starts without the
@@ -139,7 +139,7 @@ pub struct CudaTransportConfig {
     /// between Saves); 0 to 100,000. Costs one core per worker (one per device and direction)
     /// for that long after each batch, so under steady traffic a busy worker never sleeps.
     /// On the H200 machine the handover to the worker fell from ~55 to ~17 µs on a 256-block
-    /// Save, and 32-block Saves went from 34.3 to 34.9 GB/s (docs/BENCHMARKS.md §13).
+    /// Save, and 32-block Saves went from 34.3 to 34.9 GB/s (docs/benchmarks/log/cuda.md §13).
     pub idle_poll_us: u64,
     /// `overlap`: a device → host batch that is queued when the worker starts waiting for the
     /// previous one's end, or arrives while it polls for it (under `wait = "tail"` or
