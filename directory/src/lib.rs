@@ -6,7 +6,10 @@
 //!   Valkey), with native key expiry and server-side scripts;
 //! - `metaserver` ([`metaserver::MetaServerDirectory`]): a client of any PegaFlow-compatible
 //!   MetaServer (ours or PegaFlow's `pegaflow-metaserver`).
+//!
+//! [`limits`] holds the input bounds and caps the backends and `pegaflow-metaserver` share.
 
+pub mod limits;
 pub mod memory;
 pub mod metaserver;
 pub mod redis_dir;

@@ -463,7 +463,7 @@ async fn restart_with_data_kept_is_seen_through_the_run_id() {
     assert!(redis.command(&["SAVE"]).contains("OK"));
     redis.restart();
     assert!(
-        redis.command(&["DBSIZE"]).contains(":4"),
+        redis.command(&["DBSIZE"]).contains(":5"),
         "the data was reloaded"
     );
     // The connection the directory held died with the old process: the call finds it

@@ -8,6 +8,7 @@ use std::net::SocketAddr;
 
 use clap::error::ErrorKind;
 use clap::{CommandFactory, Parser};
+use pegaflow_directory::limits::Caps;
 
 const ABOUT: &str = "pegaflow-metaserver: the cross-node block directory of pegaflow-server nodes (PegaFlow's MetaServer gRPC protocol)";
 
@@ -20,8 +21,46 @@ and ask which nodes hold the longest prefix of a request's hashes. The directory
 this process's memory (the default; swept every --sweep-interval-secs) or in a Redis shared \
 by several MetaServer processes (--redis).
 
+Bounds: every field is checked with pegaflow-server's limits (addresses and session ids up \
+to 256 bytes, namespaces up to 1 KiB, block hashes of 1 B to 1 KiB, up to 1,048,576 hashes a \
+request; INVALID_ARGUMENT otherwise), and the caps below answer RESOURCE_EXHAUSTED. Their \
+defaults come from this machine's memory M (the lower of MemTotal and the cgroup limit): a \
+store of M/2, M/2 / 16 MiB nodes (64 to 65536), and an eighth of the store per node in \
+160-byte entries.
+
 HTTP: GET /health answers `ok` (503 with the reason while the Redis backend is unreachable); \
-GET /metrics serves Prometheus text with PegaFlow's pegaflow_metaserver_* families.";
+GET /metrics serves Prometheus text with PegaFlow's pegaflow_metaserver_* families and ours.";
+
+/// A size in bytes, given as `1073741824`, `12GiB`, `500 MB`, ...
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Size(pub u64);
+
+impl std::fmt::Display for Size {
+    /// Exact, in the largest binary unit that divides it (`12 GiB`, `12083 MiB`, `1000 B`),
+    /// so that it parses back to the same value.
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        const UNITS: [(u64, &str); 4] = [
+            (1 << 40, "TiB"),
+            (1 << 30, "GiB"),
+            (1 << 20, "MiB"),
+            (1 << 10, "KiB"),
+        ];
+        match UNITS.iter().find(|(u, _)| self.0 >= *u && self.0.is_multiple_of(*u)) {
+            Some((u, name)) => write!(f, "{} {name}", self.0 / u),
+            None => write!(f, "{} B", self.0),
+        }
+    }
+}
+
+impl std::str::FromStr for Size {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        s.trim()
+            .parse::<bytesize::ByteSize>()
+            .map(|b| Size(b.as_u64()))
+            .map_err(|e| format!("{e} (a size such as 1073741824, 12GiB or 500MB)"))
+    }
+}
 
 /// The flags. See `--help` for what each does.
 #[derive(Debug, Clone, Parser)]
@@ -106,6 +145,27 @@ pub struct Args {
     /// answers UNAVAILABLE. Needs --redis.
     #[arg(long, value_name = "MS", default_value_t = 250, requires = "redis")]
     pub redis_timeout_ms: u64,
+
+    /// Registered nodes (live or stale) at most: the heartbeat of one more new address
+    /// answers RESOURCE_EXHAUSTED until a node unregisters or stays silent for
+    /// --ttl-minutes. Default: the store budget / 16 MiB, within 64..=65536 (this machine's
+    /// figure shown). With --redis, enforced in Redis for every MetaServer sharing it.
+    #[arg(long, value_name = "N", default_value_t = Caps::defaults().max_nodes)]
+    pub max_nodes: u64,
+
+    /// Block entries one node session may own: an insert that would pass it answers
+    /// RESOURCE_EXHAUSTED and keeps nothing of its batch. Default: an eighth of the store
+    /// budget in 160-byte entries (a 32-byte hash each), at least 65536 (this machine's
+    /// figure shown). With --redis, counted in the node's record.
+    #[arg(long, value_name = "N", default_value_t = Caps::defaults().max_blocks_per_node)]
+    pub max_blocks_per_node: u64,
+
+    /// Estimated memory the in-memory store may take (entries and namespaces, e.g. 8GiB):
+    /// an insert past it answers RESOURCE_EXHAUSTED and keeps nothing of its batch. Default:
+    /// half of this machine's memory (shown). Unused with --redis (bound Redis with its
+    /// maxmemory).
+    #[arg(long, value_name = "SIZE", default_value_t = Size(Caps::defaults().max_store_bytes))]
+    pub max_store_bytes: Size,
 }
 
 /// The levels `--log-level` accepts (case-insensitive).
@@ -141,7 +201,8 @@ impl Args {
     /// # Errors
     /// `--node-stale-secs`, `--ttl-minutes` or `--sweep-interval-secs` is 0, the TTL is
     /// shorter than the stale interval, `--min-reclaimable-owner-count` < 2, decode backup
-    /// asked for, or `--redis-timeout-ms` is 0.
+    /// asked for, `--redis-timeout-ms`, `--max-nodes` or `--max-blocks-per-node` is 0, or
+    /// `--max-store-bytes` is under 1 MiB.
     pub fn check(&self) -> Result<(), String> {
         if self.enable_decode_backup || self.backup_target_delay_secs.is_some() {
             return Err(
@@ -176,7 +237,28 @@ impl Args {
         if self.redis.is_some() && self.redis_timeout_ms == 0 {
             return Err("--redis-timeout-ms must be greater than 0".into());
         }
+        if self.max_nodes == 0 {
+            return Err("--max-nodes must be greater than 0".into());
+        }
+        if self.max_blocks_per_node == 0 {
+            return Err("--max-blocks-per-node must be greater than 0".into());
+        }
+        if self.max_store_bytes.0 < 1 << 20 {
+            return Err(format!(
+                "--max-store-bytes ({}) must be at least 1 MiB",
+                self.max_store_bytes
+            ));
+        }
         Ok(())
+    }
+
+    /// The caps the flags set.
+    pub fn caps(&self) -> Caps {
+        Caps {
+            max_nodes: self.max_nodes,
+            max_blocks_per_node: self.max_blocks_per_node,
+            max_store_bytes: self.max_store_bytes.0,
+        }
     }
 }
 
@@ -213,6 +295,7 @@ mod tests {
         assert_eq!(a.min_reclaimable_owner_count, 3);
         assert!(!a.enable_decode_backup && a.backup_target_delay_secs.is_none());
         assert!(a.redis.is_none());
+        assert_eq!(a.caps(), Caps::defaults());
         a.check().unwrap();
         Args::command().debug_assert();
     }
@@ -260,5 +343,36 @@ mod tests {
         ])
         .unwrap();
         r.check().unwrap();
+        assert!(e(&["--max-nodes", "0"]).contains("--max-nodes"));
+        assert!(e(&["--max-blocks-per-node", "0"]).contains("--max-blocks-per-node"));
+        assert!(e(&["--max-store-bytes", "1000"]).contains("at least 1 MiB"));
+        let c = args(&[
+            "--max-nodes",
+            "5",
+            "--max-blocks-per-node",
+            "100",
+            "--max-store-bytes",
+            "2GiB",
+        ])
+        .unwrap();
+        c.check().unwrap();
+        assert_eq!(
+            c.caps(),
+            Caps {
+                max_nodes: 5,
+                max_blocks_per_node: 100,
+                max_store_bytes: 2 << 30
+            }
+        );
+        assert!(args(&["--max-store-bytes", "lots"]).is_err());
+        for (v, shown) in [
+            (3u64 << 30, "3 GiB"),
+            (12_083 << 20, "12083 MiB"),
+            (1000, "1000 B"),
+            (5 << 40, "5 TiB"),
+        ] {
+            assert_eq!(Size(v).to_string(), shown);
+            assert_eq!(shown.parse::<Size>().unwrap(), Size(v));
+        }
     }
 }

@@ -6,16 +6,22 @@
 //! - the Redis directory (`--redis URL`, [`pegaflow_directory::redis_dir::RedisDirectory`]):
 //!   the service keeps no state, so several MetaServer processes can share one Redis.
 //!
-//! Owns: request validation and the mapping of directory errors to gRPC codes
-//! ([`service`]), the RPC metrics ([`metrics`]), `/health` and `/metrics` ([`http`]), the
-//! command line ([`cli`]) and the process lifecycle ([`server`]). Must never keep directory
-//! state of its own: everything a call answers comes from the backend.
+//! Owns: the gRPC service ([`grpc`], over the pass-through [`codec`]), request validation,
+//! the offloading of large requests and the mapping of refusals to gRPC codes ([`service`]),
+//! the metrics ([`metrics`]), `/health` and `/metrics` ([`http`]), rate-limited logging
+//! ([`throttle`]), the command line ([`cli`]) and the process lifecycle ([`server`]). Must
+//! never keep directory state of its own (everything a call answers comes from the
+//! backend), log a client string longer than 64 characters whole, or run a large request on
+//! an async worker.
 
 pub mod cli;
+pub mod codec;
+pub mod grpc;
 pub mod http;
 pub mod metrics;
 pub mod server;
 pub mod service;
+pub mod throttle;
 
 use std::process::ExitCode;
 

@@ -10,12 +10,27 @@
 //!   `_block_redundancy_avg` (stored owners, stale and replaced sessions included until the
 //!   sweep drops them), and the sweep counters `_sweep_removed_{owners,keys,nodes}_total`.
 //!
+//! Ours, beyond PegaFlow's (the bounds):
+//! - `pegaflow_metaserver_invalid_requests_total{method,field}`: requests refused
+//!   INVALID_ARGUMENT for a field past its bound or malformed (`node`, `node_id`,
+//!   `namespace`, `block_hashes`, `exclude_node`) or a body that does not decode (`body`);
+//! - `pegaflow_metaserver_limit_refusals_total{limit}`: requests refused RESOURCE_EXHAUSTED by
+//!   a cap (`max_nodes`, `max_blocks_per_node`, `max_store_bytes`, `busy`);
+//! - `pegaflow_metaserver_limit{limit}`: the caps in force;
+//! - `pegaflow_metaserver_query_answers_cut_total`: query answers cut at the segment limit;
+//! - `pegaflow_metaserver_large_requests_total{method}` and
+//!   `pegaflow_metaserver_large_requests_waiting_bytes`: requests run on blocking threads, and
+//!   the bodies waiting for one;
+//! - with the in-memory store, `pegaflow_metaserver_store_bytes`: its estimated size, what
+//!   `max_store_bytes` bounds.
+//!
 //! Invariants: `block_owners / store_entries = block_redundancy_avg`; the
 //! `block_redundancy` buckets sum to `store_entries`. PegaFlow's OpenTelemetry
 //! `otel_scope_name` label and `target_info` family are not reproduced.
 
 use std::time::Duration;
 
+use pegaflow_directory::limits::Caps;
 use pegaflow_directory::memory::{MemoryStats, SweepCounts};
 use prometheus::{
     Encoder, Gauge, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec,
@@ -34,6 +49,18 @@ pub struct Metrics {
     pub rpc_requests: IntCounterVec,
     /// RPC handling time in seconds, by method and status.
     pub rpc_duration: HistogramVec,
+    /// Requests refused INVALID_ARGUMENT, by method and field.
+    pub invalid_requests: IntCounterVec,
+    /// Requests refused RESOURCE_EXHAUSTED, by cap.
+    pub limit_refusals: IntCounterVec,
+    /// The caps in force.
+    pub limits: IntGaugeVec,
+    /// Query answers cut at the segment limit.
+    pub query_answers_cut: IntCounter,
+    /// Requests run on blocking threads, by method.
+    pub offloaded: IntCounterVec,
+    /// Bytes of large request bodies waiting for a blocking thread.
+    pub waiting_bytes: IntGauge,
     /// The in-memory store's families; `None` with a backend that cannot count cheaply.
     pub store: Option<StoreMetrics>,
 }
@@ -56,6 +83,8 @@ pub struct StoreMetrics {
     pub sweep_removed_keys: IntCounter,
     /// Nodes the sweeps dropped.
     pub sweep_removed_nodes: IntCounter,
+    /// Estimated bytes of entries and namespaces.
+    pub bytes: IntGauge,
 }
 
 /// The `owners` label values of `pegaflow_metaserver_block_redundancy`, by bucket.
@@ -92,6 +121,51 @@ impl Metrics {
                 )
                 .buckets(RPC_BUCKETS_SECS.to_vec()),
                 &["method", "status"],
+            )
+            .expect("valid metric"),
+        );
+        let counter_vec = |name: &str, help: &str, labels: &[&str]| {
+            reg(
+                &r,
+                IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric"),
+            )
+        };
+        let invalid_requests = counter_vec(
+            "pegaflow_metaserver_invalid_requests_total",
+            "Requests refused INVALID_ARGUMENT, by method and the field at fault (body: it does not decode)",
+            &["method", "field"],
+        );
+        let limit_refusals = counter_vec(
+            "pegaflow_metaserver_limit_refusals_total",
+            "Requests refused RESOURCE_EXHAUSTED, by the cap reached",
+            &["limit"],
+        );
+        let offloaded = counter_vec(
+            "pegaflow_metaserver_large_requests_total",
+            "Requests decoded and run on a blocking thread (large bodies, unregistrations), by method",
+            &["method"],
+        );
+        let limits = reg(
+            &r,
+            IntGaugeVec::new(
+                Opts::new("pegaflow_metaserver_limit", "The caps in force, by cap"),
+                &["limit"],
+            )
+            .expect("valid metric"),
+        );
+        let query_answers_cut = reg(
+            &r,
+            IntCounter::new(
+                "pegaflow_metaserver_query_answers_cut_total",
+                "Query answers cut at the segment limit (their holders alternate too often)",
+            )
+            .expect("valid metric"),
+        );
+        let waiting_bytes = reg(
+            &r,
+            IntGauge::new(
+                "pegaflow_metaserver_large_requests_waiting_bytes",
+                "Bytes of large request bodies waiting for a blocking thread",
             )
             .expect("valid metric"),
         );
@@ -153,6 +227,10 @@ impl Metrics {
                     "pegaflow_metaserver_sweep_removed_nodes_total",
                     "Nodes dropped by lifecycle sweeps (unseen for the TTL)",
                 ),
+                bytes: gauge(
+                    "pegaflow_metaserver_store_bytes",
+                    "Estimated bytes of the directory's entries and namespaces (bounded by max_store_bytes)",
+                ),
             }
         });
         if let Some(s) = &store {
@@ -163,12 +241,49 @@ impl Metrics {
                 s.redundancy.with_label_values(&[l]).set(0);
             }
         }
+        for l in [
+            "max_nodes",
+            "max_blocks_per_node",
+            "max_store_bytes",
+            "busy",
+        ] {
+            limit_refusals.with_label_values(&[l]).inc_by(0);
+        }
         Self {
             registry: r,
             rpc_requests,
             rpc_duration,
+            invalid_requests,
+            limit_refusals,
+            limits,
+            query_answers_cut,
+            offloaded,
+            waiting_bytes,
             store,
         }
+    }
+
+    /// Sets the cap gauges (`max_store_bytes` only where `with_store_bytes`: the in-memory
+    /// backend's).
+    pub fn set_limits(&self, caps: &Caps, with_store_bytes: bool) {
+        let set = |l: &str, v: u64| self.limits.with_label_values(&[l]).set(v as i64);
+        set("max_nodes", caps.max_nodes);
+        set("max_blocks_per_node", caps.max_blocks_per_node);
+        if with_store_bytes {
+            set("max_store_bytes", caps.max_store_bytes);
+        }
+    }
+
+    /// Counts a request refused for `field`.
+    pub fn invalid(&self, method: &str, field: &str) {
+        self.invalid_requests
+            .with_label_values(&[method, field])
+            .inc();
+    }
+
+    /// Counts a request refused by cap `limit`.
+    pub fn limit_refused(&self, limit: &str) {
+        self.limit_refusals.with_label_values(&[limit]).inc();
     }
 
     /// Counts one RPC: `status` is `None` for success, else the gRPC code.
@@ -195,6 +310,7 @@ impl Metrics {
             m.redundancy.with_label_values(&[l]).set(n as i64);
         }
         m.redundancy_avg.set(s.redundancy_avg());
+        m.bytes.set(s.bytes as i64);
     }
 
     /// Adds a sweep's removals to the sweep counters (no-op without the store families).
@@ -234,7 +350,11 @@ mod tests {
             nodes_active: 1,
             nodes_stale: 1,
             redundancy: [1, 1, 0, 0],
+            bytes: 420,
         });
+        m.invalid("insert_block_hashes", "namespace");
+        m.limit_refused("max_nodes");
+        m.set_limits(&Caps::for_store_bytes(1 << 30), true);
         m.add_sweep(&SweepCounts {
             owners: 4,
             keys: 2,
@@ -253,6 +373,13 @@ mod tests {
             "pegaflow_metaserver_sweep_removed_keys_total 2",
             "pegaflow_metaserver_sweep_removed_nodes_total 1",
             "pegaflow_metaserver_rpc_duration_seconds_bucket{method=\"heartbeat_node\",status=\"ok\",le=\"0.0005\"} 1",
+            "pegaflow_metaserver_store_bytes 420",
+            "pegaflow_metaserver_invalid_requests_total{field=\"namespace\",method=\"insert_block_hashes\"} 1",
+            "pegaflow_metaserver_limit_refusals_total{limit=\"max_nodes\"} 1",
+            "pegaflow_metaserver_limit_refusals_total{limit=\"busy\"} 0",
+            "pegaflow_metaserver_limit{limit=\"max_nodes\"} 64",
+            "pegaflow_metaserver_limit{limit=\"max_store_bytes\"} 1073741824",
+            "pegaflow_metaserver_query_answers_cut_total 0",
         ] {
             assert!(text.contains(line), "missing {line:?} in\n{text}");
         }

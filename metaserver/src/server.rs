@@ -13,6 +13,7 @@ use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
 use crate::cli::Args;
+use crate::grpc::MetaServerRouter;
 use crate::http::{HttpState, HEALTH_NAMESPACE, HEALTH_TIMEOUT};
 use crate::metrics::Metrics;
 use crate::service::MetaService;
@@ -58,6 +59,9 @@ pub fn backend(args: &Args) -> anyhow::Result<Backend> {
                 min_reclaimable_owners: args.min_reclaimable_owner_count as usize,
                 // The server runs the sweep itself (it counts the removals).
                 sweep_interval_secs: 0,
+                max_nodes: args.max_nodes,
+                max_blocks_per_node: args.max_blocks_per_node,
+                max_store_bytes: args.max_store_bytes.0,
             };
             cfg.check()?;
             let m = Arc::new(MemoryDirectory::new(&cfg));
@@ -74,6 +78,8 @@ pub fn backend(args: &Args) -> anyhow::Result<Backend> {
                 ttl_minutes: args.ttl_minutes,
                 timeout_ms: args.redis_timeout_ms,
                 min_reclaimable_owners: args.min_reclaimable_owner_count,
+                max_nodes: args.max_nodes,
+                max_blocks_per_node: args.max_blocks_per_node,
                 ..RedisConfig::default()
             };
             let r = RedisDirectory::connect(cfg).context("--redis")?;
@@ -131,6 +137,7 @@ fn stopped(rx: &watch::Receiver<bool>) -> impl std::future::Future<Output = ()> 
 pub async fn start(args: &Args) -> anyhow::Result<Running> {
     let Backend { dir, memory } = backend(args)?;
     let metrics = Arc::new(Metrics::new(memory.is_some()));
+    metrics.set_limits(&args.caps(), memory.is_some());
     let grpc = tokio::net::TcpListener::bind(args.addr)
         .await
         .with_context(|| format!("cannot bind the gRPC address --addr {}", args.addr))?;
@@ -147,7 +154,7 @@ pub async fn start(args: &Args) -> anyhow::Result<Running> {
     let (stop, rx) = watch::channel(false);
     let mut tasks = Vec::new();
 
-    let svc = MetaService::new(dir.clone(), metrics.clone()).into_server();
+    let svc = MetaServerRouter::new(Arc::new(MetaService::new(dir.clone(), metrics.clone())));
     let incoming = tonic::transport::server::TcpIncoming::from(grpc).with_nodelay(Some(true));
     let grpc_stop = stopped(&rx);
     tasks.push(tokio::spawn(async move {
@@ -193,6 +200,9 @@ pub async fn start(args: &Args) -> anyhow::Result<Running> {
             ttl_minutes = args.ttl_minutes,
             sweep_interval_secs = args.sweep_interval_secs,
             min_reclaimable_owner_count = args.min_reclaimable_owner_count,
+            max_nodes = args.max_nodes,
+            max_blocks_per_node = args.max_blocks_per_node,
+            max_store = %args.max_store_bytes,
             "pegaflow-metaserver serving"
         ),
         Some(_) => {
@@ -205,6 +215,8 @@ pub async fn start(args: &Args) -> anyhow::Result<Running> {
                 node_stale_secs = args.node_stale_secs,
                 ttl_minutes = args.ttl_minutes,
                 min_reclaimable_owner_count = args.min_reclaimable_owner_count,
+                max_nodes = args.max_nodes,
+                max_blocks_per_node = args.max_blocks_per_node,
                 "pegaflow-metaserver serving"
             );
             let probe = vec![b"startup-probe".to_vec()];

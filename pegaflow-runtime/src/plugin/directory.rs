@@ -99,9 +99,20 @@ pub enum DirectoryError {
     /// Another session holds the node's address and is still live.
     #[error("node {0} is held by another live session (stale node session)")]
     SessionConflict(String),
-    /// The request is malformed (an empty query, an empty address).
+    /// The request is malformed (an empty query, an empty address, a field past its bound).
     #[error("invalid directory request: {0}")]
     Invalid(String),
+    /// A bound of the directory was reached (registered nodes, one node's entries, the
+    /// store's memory); nothing of the call was applied. A later call may succeed once
+    /// entries are removed or nodes leave. `limit` names the bound (the backend's setting,
+    /// e.g. `max_nodes`); `message` gives the figures.
+    #[error("directory limit {limit} reached: {message}")]
+    LimitReached {
+        /// The bound's setting name.
+        limit: &'static str,
+        /// What was refused, with the figures.
+        message: String,
+    },
 }
 
 /// A cross-node block directory backend. See the module documentation for the semantics.

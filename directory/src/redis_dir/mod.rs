@@ -57,7 +57,7 @@
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::Duration;
 
 use anyhow::{bail, Context};
 use async_trait::async_trait;
@@ -66,9 +66,19 @@ use pegaflow_runtime::{
     defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError, DirectoryFactory,
     HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix, PluginOption, RuntimeContext,
 };
-use redis::aio::MultiplexedConnection;
 use redis::{AsyncConnectionConfig, Cmd, RedisError, Script, Value};
 use serde::{Deserialize, Serialize};
+
+use self::answers::{
+    as_int, as_text, cover_plan, parse_insert_answer, parse_query_answer, InsertScript, OwnerRuns,
+};
+use self::link::{is_link_error, Attempt, Link, Live};
+use self::scripts::Scripts;
+use crate::limits::{self, echo, Caps};
+
+mod answers;
+mod link;
+mod scripts;
 
 /// The `[directory] kind = "redis"` table.
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
@@ -96,6 +106,14 @@ pub struct RedisConfig {
     /// Hashes per script invocation; longer batches are split and pipelined (a script runs
     /// alone on the server, so this bounds how long it holds Redis). Default 1024.
     pub script_batch: usize,
+    /// Live nodes (node records) at most: the heartbeat registering one more address is
+    /// refused with `LimitReached`. Default: [`Caps::defaults`] (from this machine's memory);
+    /// must be > 0. Every process sharing the key prefix should use the same value.
+    pub max_nodes: u64,
+    /// Entries one node session may own (the record's `owned` count): an insert that would
+    /// pass it is refused with `LimitReached` and keeps nothing. Default: [`Caps::defaults`];
+    /// must be > 0.
+    pub max_blocks_per_node: u64,
 }
 
 impl Default for RedisConfig {
@@ -108,6 +126,8 @@ impl Default for RedisConfig {
             timeout_ms: 250,
             min_reclaimable_owners: 3,
             script_batch: 1024,
+            max_nodes: Caps::defaults().max_nodes,
+            max_blocks_per_node: Caps::defaults().max_blocks_per_node,
         }
     }
 }
@@ -140,6 +160,9 @@ impl RedisConfig {
         if self.key_prefix.is_empty() {
             bail!("redis directory: key_prefix must not be empty");
         }
+        if self.max_nodes == 0 || self.max_blocks_per_node == 0 {
+            bail!("redis directory: max_nodes and max_blocks_per_node must be > 0");
+        }
         Ok(())
     }
 
@@ -152,298 +175,6 @@ impl RedisConfig {
     pub fn timeout(&self) -> Duration {
         Duration::from_millis(self.timeout_ms)
     }
-}
-
-/// Creates the node record, refreshes it, or refuses another session. KEYS[1] node record;
-/// ARGV: session, stale ms, fresh tag, server run_id ('' = unknown), the tag the caller last
-/// heard of ('' = none). Returns {-1} (conflict) or {lost, tag}: lost is 1 when the record
-/// is new, was reloaded by another server process (then it gets the fresh tag), or holds a
-/// tag the caller has not heard of (an earlier answer was lost on the way).
-const HEARTBEAT_LUA: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'session', 'run', 'tag')
-if not rec[1] then
-  redis.call('HSET', KEYS[1], 'session', ARGV[1], 'tag', ARGV[3], 'owned', 0, 'run', ARGV[4])
-  redis.call('PEXPIRE', KEYS[1], ARGV[2])
-  return {1, ARGV[3]}
-end
-if rec[1] ~= ARGV[1] then return {-1} end
-redis.call('PEXPIRE', KEYS[1], ARGV[2])
-if (ARGV[4] ~= '' and rec[2] ~= ARGV[4]) or not rec[3] then
-  redis.call('HSET', KEYS[1], 'tag', ARGV[3], 'owned', 0, 'run', ARGV[4])
-  return {1, ARGV[3]}
-end
-if rec[3] ~= ARGV[5] then return {1, rec[3]} end
-return {0, rec[3]}
-";
-
-/// Records ownership. KEYS[1] node record, KEYS[2..] block keys; ARGV: session, addr, ttl
-/// secs, stale ms, min reclaimable (0 = off), node key prefix. Returns {-1} (unknown
-/// session) or {0, newly owned, 1-based positions of reclaimable keys...}.
-const INSERT_LUA: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'session', 'tag')
-if rec[1] ~= ARGV[1] or not rec[2] then return {-1} end
-local tag, addr, ttl, minr = rec[2], ARGV[2], ARGV[3], tonumber(ARGV[5])
-local tags = {[addr] = tag}
-local function live(a)
-  local t = tags[a]
-  if t == nil then
-    t = redis.call('HGET', ARGV[6] .. a, 'tag')
-    tags[a] = t
-  end
-  return t
-end
-local out = {0, 0}
-local added = 0
-for i = 2, #KEYS do
-  local k = KEYS[i]
-  if redis.call('HGET', k, addr) ~= tag then
-    redis.call('HSET', k, addr, tag)
-    added = added + 1
-    if minr > 0 and redis.call('HLEN', k) >= minr then
-      local f = redis.call('HGETALL', k)
-      local n = 0
-      for j = 1, #f, 2 do
-        if live(f[j]) == f[j + 1] then n = n + 1 else redis.call('HDEL', k, f[j]) end
-      end
-      if n >= minr then out[#out + 1] = i - 1 end
-    end
-  end
-  redis.call('EXPIRE', k, ttl)
-end
-if added > 0 then redis.call('HINCRBY', KEYS[1], 'owned', added) end
-redis.call('PEXPIRE', KEYS[1], ARGV[4])
-out[2] = added
-return out
-";
-
-/// Drops ownership. KEYS[1] node record, KEYS[2..] block keys; ARGV: session, addr. The
-/// address's field is deleted when it holds the caller's tag (counted) or a dead earlier tag
-/// of the same address (not counted; never visible again). Returns the count, or -1.
-const REMOVE_LUA: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'session', 'tag')
-if rec[1] ~= ARGV[1] or not rec[2] then return -1 end
-local removed = 0
-for i = 2, #KEYS do
-  local v = redis.call('HGET', KEYS[i], ARGV[2])
-  if v then
-    redis.call('HDEL', KEYS[i], ARGV[2])
-    if v == rec[2] then removed = removed + 1 end
-  end
-end
-if removed > 0 then redis.call('HINCRBY', KEYS[1], 'owned', -removed) end
-return removed
-";
-
-/// The live owners' runs over consecutive keys. KEYS: block keys in order; ARGV[1] node key
-/// prefix. Returns {stop, {addr, start, len, start, len, ...}, ...}: `stop` is the 0-based
-/// position of the first key no live owner holds (#KEYS when there is none; the scan ends
-/// there), and each owner's runs (0-based start, length) before it, in order.
-const QUERY_LUA: &str = r"
-local tags = {}
-local function live(a)
-  local t = tags[a]
-  if t == nil then
-    t = redis.call('HGET', ARGV[1] .. a, 'tag')
-    tags[a] = t
-  end
-  return t
-end
-local runs, order, last = {}, {}, {}
-local stop = #KEYS
-for i = 1, #KEYS do
-  local f = redis.call('HGETALL', KEYS[i])
-  local any = false
-  for j = 1, #f, 2 do
-    local a = f[j]
-    if live(a) == f[j + 1] then
-      any = true
-      local r = runs[a]
-      if r == nil then
-        r = {a}
-        runs[a] = r
-        order[#order + 1] = a
-      end
-      if last[a] == i - 1 then
-        r[#r] = r[#r] + 1
-      else
-        r[#r + 1] = i - 1
-        r[#r + 1] = 1
-      end
-      last[a] = i
-    end
-  end
-  if not any then
-    stop = i - 1
-    break
-  end
-end
-local out = {stop}
-for _, a in ipairs(order) do out[#out + 1] = runs[a] end
-return out
-";
-
-/// Forgets the session's entries by drawing a new tag. KEYS[1] node record; ARGV: session,
-/// fresh tag. Returns the entries owned under the old tag, or -1.
-const RESYNC_LUA: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'session', 'owned')
-if rec[1] ~= ARGV[1] then return -1 end
-redis.call('HSET', KEYS[1], 'tag', ARGV[2], 'owned', 0)
-return tonumber(rec[2] or '0')
-";
-
-/// Forgets the node. KEYS[1] node record; ARGV: session. Returns the entries it owned, or -1.
-const UNREGISTER_LUA: &str = r"
-local rec = redis.call('HMGET', KEYS[1], 'session', 'owned')
-if rec[1] ~= ARGV[1] then return -1 end
-redis.call('DEL', KEYS[1])
-return tonumber(rec[2] or '0')
-";
-
-/// The scripts, hashed once.
-struct Scripts {
-    heartbeat: Script,
-    insert: Script,
-    remove: Script,
-    query: Script,
-    resync: Script,
-    unregister: Script,
-}
-
-impl Scripts {
-    fn new() -> Self {
-        Self {
-            heartbeat: Script::new(HEARTBEAT_LUA),
-            insert: Script::new(INSERT_LUA),
-            remove: Script::new(REMOVE_LUA),
-            query: Script::new(QUERY_LUA),
-            resync: Script::new(RESYNC_LUA),
-            unregister: Script::new(UNREGISTER_LUA),
-        }
-    }
-}
-
-/// One established connection and what was learnt when it was made.
-#[derive(Clone)]
-struct Live {
-    /// Distinguishes connections, so that a failed call drops only the one it used.
-    id: u64,
-    conn: MultiplexedConnection,
-    /// The server process's `run_id` (`INFO server`); empty when the server hides it.
-    run_id: Arc<str>,
-}
-
-#[derive(Default)]
-struct LinkState {
-    current: Option<Live>,
-    next_id: u64,
-    /// The last failed connection attempt: when, and why.
-    failed: Option<(Instant, String)>,
-}
-
-/// A lazily made, remade-after-failure multiplexed connection. The state lock is never held
-/// across an await; `connecting` lets one caller connect while the others wait for it (each
-/// within its own call's timeout).
-struct Link {
-    client: redis::Client,
-    options: AsyncConnectionConfig,
-    /// After a failed attempt, calls fail at once for this long instead of reconnecting.
-    retry_after: Duration,
-    state: parking_lot::Mutex<LinkState>,
-    connecting: tokio::sync::Mutex<()>,
-}
-
-impl Link {
-    fn cached(&self) -> Option<Live> {
-        self.state.lock().current.clone()
-    }
-
-    /// The current connection, made now if there is none (then `true` comes with it).
-    async fn get(&self) -> Result<(Live, bool), String> {
-        if let Some(l) = self.cached() {
-            return Ok((l, false));
-        }
-        let _one = self.connecting.lock().await;
-        {
-            let st = self.state.lock();
-            if let Some(l) = &st.current {
-                return Ok((l.clone(), false));
-            }
-            if let Some((at, why)) = &st.failed {
-                if at.elapsed() < self.retry_after {
-                    return Err(why.clone());
-                }
-            }
-        }
-        match self.open().await {
-            Ok((conn, run_id)) => {
-                let mut st = self.state.lock();
-                st.next_id += 1;
-                let live = Live {
-                    id: st.next_id,
-                    conn,
-                    run_id: run_id.into(),
-                };
-                st.current = Some(live.clone());
-                st.failed = None;
-                Ok((live, true))
-            }
-            Err(e) => {
-                let why = format!("cannot connect: {e}");
-                self.state.lock().failed = Some((Instant::now(), why.clone()));
-                Err(why)
-            }
-        }
-    }
-
-    /// Connects and reads the server's `run_id`.
-    async fn open(&self) -> redis::RedisResult<(MultiplexedConnection, String)> {
-        let mut conn = self
-            .client
-            .get_multiplexed_async_connection_with_config(&self.options)
-            .await?;
-        let run_id = match redis::cmd("INFO")
-            .arg("server")
-            .query_async::<String>(&mut conn)
-            .await
-        {
-            Ok(info) => info
-                .lines()
-                .find_map(|l| l.strip_prefix("run_id:"))
-                .map(|s| s.trim().to_string())
-                .unwrap_or_default(),
-            Err(e) if is_link_error(&e) => return Err(e),
-            Err(e) => {
-                tracing::debug!(
-                    "redis directory: INFO refused ({e}); restarts that keep data go unnoticed"
-                );
-                String::new()
-            }
-        };
-        Ok((conn, run_id))
-    }
-
-    /// Forgets connection `id` (if it is still the current one) so the next call reconnects.
-    fn drop_conn(&self, id: u64) {
-        let mut st = self.state.lock();
-        if st.current.as_ref().is_some_and(|l| l.id == id) {
-            st.current = None;
-        }
-    }
-}
-
-/// Errors after which the connection is not trusted any more.
-fn is_link_error(e: &RedisError) -> bool {
-    e.is_io_error() || e.is_timeout() || e.is_connection_dropped() || e.is_unrecoverable_error()
-}
-
-/// How one try of a call failed.
-enum Attempt {
-    /// The connection broke (or was found broken): the commands may not have run.
-    Dead(RedisError),
-    /// Redis did not answer within the timeout.
-    Silent,
-    /// Redis answered with an error (out of memory, loading, a replica, ...).
-    Refused(RedisError),
 }
 
 /// The cross-node directory in one Redis primary. See the module documentation.
@@ -476,13 +207,7 @@ impl RedisDirectory {
         // No response timeout on the connection: `eval` bounds every wait itself.
         let options = AsyncConnectionConfig::new().set_connection_timeout(cfg.timeout());
         Ok(Self {
-            link: Link {
-                client,
-                options,
-                retry_after: cfg.timeout().min(Duration::from_secs(1)),
-                state: parking_lot::Mutex::new(LinkState::default()),
-                connecting: tokio::sync::Mutex::new(()),
-            },
+            link: Link::new(client, options, cfg.timeout().min(Duration::from_secs(1))),
             shown_url,
             scripts: Scripts::new(),
             down: AtomicBool::new(false),
@@ -502,6 +227,12 @@ impl RedisDirectory {
 
     fn node_key(&self, addr: &str) -> String {
         format!("{}node:{addr}", self.cfg.key_prefix)
+    }
+
+    /// The live-node index: a sorted set of addresses by record expiry (server ms), what
+    /// `max_nodes` counts.
+    fn node_index_key(&self) -> String {
+        format!("{}nodes", self.cfg.key_prefix)
     }
 
     fn block_key(&self, namespace: &str, hash: &[u8]) -> String {
@@ -686,8 +417,9 @@ impl RedisDirectory {
         .await
     }
 
-    /// Runs a one-key node script (heartbeat, resync, unregister) with the arguments `args`
-    /// makes from the connection's server `run_id`, and returns its answer.
+    /// Runs a node script (heartbeat, resync, unregister; its keys the node record and the
+    /// live-node index) with the arguments `args` makes from the connection's server
+    /// `run_id`, and returns its answer.
     async fn node_script(
         &self,
         script: &Script,
@@ -695,11 +427,16 @@ impl RedisDirectory {
         args: impl Fn(&str) -> Vec<String> + Send + Sync,
     ) -> Result<Value, DirectoryError> {
         let key = self.node_key(&node.addr);
+        let index = self.node_index_key();
         let mut out = self
             .eval(script, |run_id| {
                 let args = args(run_id);
                 let args: Vec<&str> = args.iter().map(String::as_str).collect();
-                vec![Self::evalsha(script, &[key.as_str()], &args)]
+                vec![Self::evalsha(
+                    script,
+                    &[key.as_str(), index.as_str()],
+                    &args,
+                )]
             })
             .await?;
         out.pop()
@@ -757,90 +494,6 @@ fn redact_url(url: &str) -> String {
     }
 }
 
-fn as_int(v: &Value) -> Option<i64> {
-    match v {
-        Value::Int(n) => Some(*n),
-        _ => None,
-    }
-}
-
-fn as_text(v: &Value) -> Option<String> {
-    match v {
-        Value::BulkString(b) => String::from_utf8(b.clone()).ok(),
-        Value::SimpleString(s) => Some(s.clone()),
-        _ => None,
-    }
-}
-
-/// Each live owner's address with its runs of positions: `(start, end)` or `(start, len)`.
-type OwnerRuns = Vec<(String, Vec<(u32, u32)>)>;
-
-/// A query script's answer: the stop position and each owner's `(start, len)` runs.
-fn parse_query_answer(v: &Value) -> Option<(u32, OwnerRuns)> {
-    let Value::Array(items) = v else {
-        return None;
-    };
-    let (stop, rest) = items.split_first()?;
-    let stop = u32::try_from(as_int(stop)?).ok()?;
-    let mut owners = Vec::with_capacity(rest.len());
-    for o in rest {
-        let Value::Array(o) = o else {
-            return None;
-        };
-        let (addr, nums) = o.split_first()?;
-        let nums: Vec<u32> = nums
-            .iter()
-            .map(|n| as_int(n).and_then(|n| u32::try_from(n).ok()))
-            .collect::<Option<_>>()?;
-        let pairs = nums.chunks_exact(2);
-        if !pairs.remainder().is_empty() {
-            return None;
-        }
-        let runs = pairs.map(|p| (p[0], p[1])).collect();
-        owners.push((as_text(addr)?, runs));
-    }
-    Some((stop, owners))
-}
-
-/// The greedy cover plan of positions `0..stop`: from each position, the owner whose run
-/// there reaches furthest (ties: the smallest address) takes the rest of its run. `owners`
-/// holds each live owner's runs as sorted, disjoint `[start, end)` ranges.
-fn cover_plan(owners: &[(String, Vec<(u32, u32)>)], stop: u32) -> Vec<NodePrefix> {
-    let mut plan = Vec::new();
-    let mut p = 0u32;
-    while p < stop {
-        let mut best: Option<(&str, u32)> = None;
-        for (addr, runs) in owners {
-            let i = runs.partition_point(|&(s, _)| s <= p);
-            let Some(&(_, end)) = i.checked_sub(1).and_then(|i| runs.get(i)) else {
-                continue;
-            };
-            if end <= p {
-                continue;
-            }
-            let len = end.min(stop) - p;
-            let better = match best {
-                None => true,
-                Some((b, l)) => len > l || (len == l && addr.as_str() < b),
-            };
-            if better {
-                best = Some((addr, len));
-            }
-        }
-        let Some((addr, len)) = best else { break };
-        plan.push(NodePrefix {
-            node: addr.to_string(),
-            prefix_len: len,
-        });
-        p += len;
-    }
-    plan
-}
-
-fn usable(node: &NodeId) -> bool {
-    !node.addr.is_empty() && !node.session.is_empty()
-}
-
 #[async_trait]
 impl Directory for RedisDirectory {
     fn kind(&self) -> &'static str {
@@ -848,12 +501,9 @@ impl Directory for RedisDirectory {
     }
 
     async fn heartbeat(&self, node: &NodeId) -> Result<HeartbeatAnswer, DirectoryError> {
-        if !usable(node) {
-            return Err(DirectoryError::Invalid(
-                "heartbeat needs a node address and a session".into(),
-            ));
-        }
+        limits::check_node(node)?;
         let stale_ms = (self.cfg.stale_after_secs * 1000).to_string();
+        let max_nodes = self.cfg.max_nodes.to_string();
         let known = self
             .known_tags
             .lock()
@@ -868,6 +518,8 @@ impl Directory for RedisDirectory {
                     fresh_tag(),
                     run_id.to_string(),
                     known.clone(),
+                    node.addr.clone(),
+                    max_nodes.clone(),
                 ]
             })
             .await?;
@@ -877,6 +529,14 @@ impl Directory for RedisDirectory {
         };
         match items {
             [Value::Int(-1)] => Err(DirectoryError::SessionConflict(node.addr.clone())),
+            [Value::Int(-2), Value::Int(n)] => Err(DirectoryError::LimitReached {
+                limit: "max_nodes",
+                message: format!(
+                    "the directory has {n} live nodes; the limit is {} (max_nodes): a node \
+                     leaves when it unregisters or goes stale",
+                    self.cfg.max_nodes
+                ),
+            }),
             [Value::Int(lost @ (0 | 1)), tag] => {
                 let Some(tag) = as_text(tag) else {
                     return Err(
@@ -899,14 +559,16 @@ impl Directory for RedisDirectory {
         namespace: &str,
         hashes: &[Vec<u8>],
     ) -> Result<InsertAnswer, DirectoryError> {
-        if !usable(node) {
-            return Err(DirectoryError::UnknownNode(node.addr.clone()));
-        }
+        limits::check_node(node)?;
+        limits::check_namespace(namespace)?;
+        limits::check_hashes(hashes)?;
         let node_key = self.node_key(&node.addr);
         let ttl = (self.cfg.ttl_minutes * 60).to_string();
         let stale_ms = (self.cfg.stale_after_secs * 1000).to_string();
         let minr = self.cfg.min_reclaimable_owners.to_string();
         let prefix = self.node_key_prefix();
+        let index = self.node_index_key();
+        let max = self.cfg.max_blocks_per_node.to_string();
         let mut batches = self.batches(namespace, hashes);
         if batches.is_empty() {
             // Still check the session, so an unknown node hears so.
@@ -920,35 +582,64 @@ impl Directory for RedisDirectory {
             &stale_ms,
             &minr,
             &prefix,
+            &index,
+            &max,
         ];
         let out = self
             .eval_node_batches(script, &node_key, &batches, &args)
             .await?;
         let mut answer = InsertAnswer::default();
+        // Keys the scripts that ran made the node an owner of (undone if one was refused).
+        let mut added: Vec<String> = Vec::new();
+        let mut refused = None;
         for (i, v) in out.iter().enumerate() {
-            let Value::Array(items) = v else {
+            let Some(a) = parse_insert_answer(v) else {
                 return Err(self.unavailable(format_args!("unexpected insert answer {v:?}")));
             };
-            let ints: Option<Vec<i64>> = items.iter().map(as_int).collect();
-            let Some(ints) = ints else {
-                return Err(self.unavailable(format_args!("unexpected insert answer {v:?}")));
-            };
-            match ints.as_slice() {
-                [-1, ..] => return Err(DirectoryError::UnknownNode(node.addr.clone())),
-                [0, _added, positions @ ..] => {
+            match a {
+                InsertScript::UnknownSession => {
+                    return Err(DirectoryError::UnknownNode(node.addr.clone()))
+                }
+                InsertScript::Full { owned } => refused = Some(owned),
+                InsertScript::Done { marks, reclaimable } => {
                     let base = i * self.cfg.script_batch;
-                    for &p in positions {
-                        if let Some(h) = usize::try_from(p)
-                            .ok()
-                            .and_then(|p| p.checked_sub(1))
-                            .and_then(|p| hashes.get(base + p))
-                        {
+                    for (j, m) in marks.iter().enumerate() {
+                        if *m == b'1' {
+                            added.extend(batches[i].get(j).cloned());
+                        }
+                    }
+                    for p in reclaimable {
+                        if let Some(h) = p.checked_sub(1).and_then(|p| hashes.get(base + p)) {
                             answer.reclaimable.push(h.clone());
                         }
                     }
                 }
-                _ => return Err(self.unavailable(format_args!("unexpected insert answer {v:?}"))),
             }
+        }
+        if let Some(owned) = refused {
+            if !added.is_empty() {
+                let undo: Vec<Vec<String>> = added
+                    .chunks(self.cfg.script_batch)
+                    .map(<[String]>::to_vec)
+                    .collect();
+                let margs = [node.session.as_str(), node.addr.as_str()];
+                if let Err(e) = self
+                    .eval_node_batches(&self.scripts.remove, &node_key, &undo, &margs)
+                    .await
+                {
+                    tracing::warn!(node = %echo(&node.addr), error = %e,
+                        "redis directory: cannot take back the entries of a refused insert");
+                }
+            }
+            return Err(DirectoryError::LimitReached {
+                limit: "max_blocks_per_node",
+                message: format!(
+                    "node {} owns {owned} block entries; the limit is {} (max_blocks_per_node); \
+                     nothing of this insert was kept",
+                    echo(&node.addr),
+                    self.cfg.max_blocks_per_node
+                ),
+            });
         }
         answer.inserted = hashes.len() as u64;
         Ok(answer)
@@ -960,9 +651,9 @@ impl Directory for RedisDirectory {
         namespace: &str,
         hashes: &[Vec<u8>],
     ) -> Result<u64, DirectoryError> {
-        if !usable(node) {
-            return Err(DirectoryError::UnknownNode(node.addr.clone()));
-        }
+        limits::check_node(node)?;
+        limits::check_namespace(namespace)?;
+        limits::check_hashes(hashes)?;
         let node_key = self.node_key(&node.addr);
         let mut batches = self.batches(namespace, hashes);
         if batches.is_empty() {
@@ -990,6 +681,9 @@ impl Directory for RedisDirectory {
         hashes: &[Vec<u8>],
         exclude: Option<&str>,
     ) -> Result<Vec<NodePrefix>, DirectoryError> {
+        limits::check_namespace(namespace)?;
+        limits::check_hashes(hashes)?;
+        limits::check_exclude(exclude)?;
         if hashes.is_empty() {
             return Err(DirectoryError::Invalid("empty hash list".into()));
         }
@@ -1048,12 +742,10 @@ impl Directory for RedisDirectory {
     }
 
     async fn unregister(&self, node: &NodeId) -> Result<u64, DirectoryError> {
-        if !usable(node) {
-            return Err(DirectoryError::UnknownNode(node.addr.clone()));
-        }
+        limits::check_node(node)?;
         let n = self
             .node_count(&self.scripts.unregister, node, |_| {
-                vec![node.session.clone()]
+                vec![node.session.clone(), node.addr.clone()]
             })
             .await?;
         self.known_tags.lock().remove(node);
@@ -1061,9 +753,7 @@ impl Directory for RedisDirectory {
     }
 
     async fn resync(&self, node: &NodeId) -> Result<u64, DirectoryError> {
-        if !usable(node) {
-            return Err(DirectoryError::UnknownNode(node.addr.clone()));
-        }
+        limits::check_node(node)?;
         let tag = fresh_tag();
         let n = self
             .node_count(&self.scripts.resync, node, |_| {
@@ -1095,6 +785,8 @@ inventory::submit! {
                 PluginOption { name: "timeout_ms", help: "milliseconds Redis may stay silent during a call (connecting and the first answer, then each further script answer of a batch); past it the call answers unavailable" },
                 PluginOption { name: "min_reclaimable_owners", help: "live owners at which a block the node just inserted is reported reclaimable; 0 reports none" },
                 PluginOption { name: "script_batch", help: "hashes per server-side script; larger batches are split and pipelined" },
+                PluginOption { name: "max_nodes", help: "live nodes at most; the heartbeat registering one more address is refused (default: from this machine's memory, as pegaflow-metaserver's --max-nodes)" },
+                PluginOption { name: "max_blocks_per_node", help: "entries one node session may own; an insert that would pass it is refused whole (default: as pegaflow-metaserver's --max-blocks-per-node)" },
             ],
         },
         flags: &[],
@@ -1157,37 +849,6 @@ mod tests {
             d.node_key("10.0.0.1:50055"),
             "pegaflow:dir:node:10.0.0.1:50055"
         );
-    }
-
-    fn owners(v: &[(&str, &[(u32, u32)])]) -> OwnerRuns {
-        v.iter().map(|(a, r)| (a.to_string(), r.to_vec())).collect()
-    }
-
-    fn plan(v: &[(&str, u32)]) -> Vec<NodePrefix> {
-        v.iter()
-            .map(|(n, l)| NodePrefix {
-                node: n.to_string(),
-                prefix_len: *l,
-            })
-            .collect()
-    }
-
-    #[test]
-    fn cover_plan_is_greedy_by_reach_then_address() {
-        // The longest run from each position wins; the walk goes on where it ends.
-        let o = owners(&[("a", &[(0, 5)]), ("b", &[(2, 9)])]);
-        assert_eq!(cover_plan(&o, 10), plan(&[("a", 5), ("b", 4)]));
-        // Alternating holders; a node may serve several segments.
-        let o = owners(&[("a", &[(0, 3), (5, 8)]), ("b", &[(3, 5)])]);
-        assert_eq!(cover_plan(&o, 8), plan(&[("a", 3), ("b", 2), ("a", 3)]));
-        // Ties go to the smaller address, whatever the order the owners came in.
-        let o = owners(&[("c", &[(0, 4)]), ("b", &[(0, 4)])]);
-        assert_eq!(cover_plan(&o, 4), plan(&[("b", 4)]));
-        // The plan ends at `stop` even where a run would go on.
-        let o = owners(&[("a", &[(0, 9)])]);
-        assert_eq!(cover_plan(&o, 4), plan(&[("a", 4)]));
-        assert!(cover_plan(&o, 0).is_empty());
-        assert!(cover_plan(&[], 3).is_empty());
     }
 
     #[test]
