@@ -164,17 +164,18 @@ pub fn check_hashes(hashes: &[Vec<u8>]) -> Result<(), FieldError> {
 
 /// Estimated bytes of one block entry of the in-memory store besides its hash: the table
 /// slot, the entry (namespace, hash and owner-list handles), allocator headers and the
-/// first owner. Measured: 1M entries of 32-byte hashes with 3 owners each take about
-/// 190 MiB resident (`memory::tests::million_entries_figures`).
-pub const ENTRY_OVERHEAD_BYTES: u64 = 128;
+/// first owner. Measured: 1M entries of 32-byte hashes with 3 owners each take 237 MiB
+/// resident, about 250 bytes each (`memory::tests::million_entries_figures`), which this
+/// and [`OWNER_BYTES`] estimate as 240.
+pub const ENTRY_OVERHEAD_BYTES: u64 = 160;
 /// Estimated bytes of each further owner of an entry.
-pub const OWNER_BYTES: u64 = 16;
+pub const OWNER_BYTES: u64 = 24;
 /// Estimated bytes of one interned namespace besides its name.
 pub const NAMESPACE_OVERHEAD_BYTES: u64 = 64;
 /// The entry size the default caps assume: a 32-byte hash (what vLLM's block hashes are).
 pub const TYPICAL_ENTRY_BYTES: u64 = ENTRY_OVERHEAD_BYTES + 32;
 
-/// Bytes of store budget per node the default `max_nodes` assumes (16 MiB: about 100,000
+/// Bytes of store budget per node the default `max_nodes` assumes (16 MiB: about 87,000
 /// typical entries each, on average).
 pub const STORE_BYTES_PER_NODE: u64 = 16 << 20;
 /// The share of the store one node may fill by default (1/8).
@@ -197,7 +198,7 @@ pub struct Caps {
 impl Caps {
     /// The caps derived from a memory budget of `store_bytes`: `max_nodes` =
     /// `store_bytes / 16 MiB` within 64..=65536, `max_blocks_per_node` = an eighth of the
-    /// budget in typical entries (`store_bytes / 8 / 160`), at least 65,536.
+    /// budget in typical entries (`store_bytes / 8 / 192`), at least 65,536.
     pub fn for_store_bytes(store_bytes: u64) -> Self {
         Self {
             max_nodes: (store_bytes / STORE_BYTES_PER_NODE).clamp(64, 65_536),
@@ -310,10 +311,10 @@ mod tests {
     fn default_caps_follow_the_memory() {
         let c = Caps::for_store_bytes(12 << 30);
         assert_eq!(c.max_nodes, 768);
-        assert_eq!(c.max_blocks_per_node, (12u64 << 30) / 8 / 160);
+        assert_eq!(c.max_blocks_per_node, (12u64 << 30) / 8 / 192);
         assert_eq!(c.max_store_bytes, 12 << 30);
         let small = Caps::for_store_bytes(256 << 20);
-        assert_eq!((small.max_nodes, small.max_blocks_per_node), (64, 209_715));
+        assert_eq!((small.max_nodes, small.max_blocks_per_node), (64, 174_762));
         let tiny = Caps::for_store_bytes(1 << 20);
         assert_eq!((tiny.max_nodes, tiny.max_blocks_per_node), (64, 65_536));
         assert!(memory_bytes() >= 64 << 20);

@@ -93,6 +93,15 @@ impl std::fmt::Debug for MetaServerDirectory {
     }
 }
 
+/// A cap of the MetaServer (our `pegaflow-metaserver` answers RESOURCE_EXHAUSTED with the
+/// figures when a node, its entries or its store would pass one, or it is busy).
+fn limit_reached(s: &tonic::Status) -> DirectoryError {
+    DirectoryError::LimitReached {
+        limit: "metaserver",
+        message: s.message().to_string(),
+    }
+}
+
 /// `host:port` → `http://host:port`; a URL with a scheme is kept.
 fn normalize_url(addr: &str) -> String {
     let a = addr.trim();
@@ -165,6 +174,7 @@ impl MetaServerDirectory {
                 DirectoryError::UnknownNode(format!("{} ({})", node.addr, s.message()))
             }
             tonic::Code::InvalidArgument => DirectoryError::Invalid(s.message().to_string()),
+            tonic::Code::ResourceExhausted => limit_reached(&s),
             _ => self.unavailable(&s),
         }
     }
@@ -229,6 +239,7 @@ impl MetaServerDirectory {
                     DirectoryError::SessionConflict(format!("{} ({})", node.addr, s.message()))
                 }
                 tonic::Code::InvalidArgument => DirectoryError::Invalid(s.message().to_string()),
+                tonic::Code::ResourceExhausted => limit_reached(&s),
                 _ => self.unavailable(&s),
             })?;
         Ok(Duration::from_secs(r.stale_after_secs.max(1)))

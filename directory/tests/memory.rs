@@ -6,7 +6,9 @@ use std::time::Duration;
 
 use pegaflow_directory::memory::MemoryDirectory;
 use pegaflow_runtime::{directory_factory, Directory, NodeId, RuntimeContext};
-use pegaflow_tests::directory_suite::{run_all, DirectoryFixture};
+use pegaflow_tests::directory_suite::{
+    fields_past_their_bounds_are_invalid, run_all, DirectoryFixture,
+};
 
 /// Fresh directories with a 1 s stale interval (the takeover case sleeps past it).
 struct Memory;
@@ -28,6 +30,7 @@ impl DirectoryFixture for Memory {
 #[tokio::test]
 async fn conformance() {
     run_all(&Memory).await;
+    fields_past_their_bounds_are_invalid(&Memory).await;
 }
 
 #[tokio::test]

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use pegaflow_directory::metaserver::{MetaServerConfig, MetaServerDirectory};
 use pegaflow_runtime::{Directory, DirectoryError, NodeId};
-use pegaflow_tests::directory_suite::{run_all, DirectoryFixture};
+use pegaflow_tests::directory_suite::{
+    fields_past_their_bounds_are_invalid, run_all, DirectoryFixture,
+};
 
 const STALE_SECS: u64 = 2;
 
@@ -167,6 +169,7 @@ async fn conformance_over_our_metaserver() {
     };
     let p = MetaServerProcess::start(bin);
     run_all(&Fixture(&p)).await;
+    fields_past_their_bounds_are_invalid(&Fixture(&p)).await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -11,7 +11,9 @@ use std::time::{Duration, Instant};
 
 use pegaflow_directory::redis_dir::{RedisConfig, RedisDirectory};
 use pegaflow_runtime::{Directory, DirectoryError, NodeId, NodePrefix};
-use pegaflow_tests::directory_suite::{run_all, DirectoryFixture};
+use pegaflow_tests::directory_suite::{
+    fields_past_their_bounds_are_invalid, run_all, DirectoryFixture,
+};
 use pegaflow_tests::redis::RedisServer;
 
 fn h(i: u32) -> Vec<u8> {
@@ -101,7 +103,9 @@ async fn conformance_suite() {
     let Some(redis) = RedisServer::start("conformance_suite") else {
         return;
     };
-    run_all(&Fixture { url: redis.url() }).await;
+    let f = Fixture { url: redis.url() };
+    run_all(&f).await;
+    fields_past_their_bounds_are_invalid(&f).await;
 }
 
 #[tokio::test]
@@ -484,6 +488,109 @@ async fn restart_with_data_kept_is_seen_through_the_run_id() {
         d.query_prefix("ns", &hashes(0..3), None).await.unwrap(),
         vec![np(&a, 3)]
     );
+}
+
+/// The caps: `max_nodes` counts live node records (an unregistered or expired one frees
+/// its place), `max_blocks_per_node` the record's entries, and a refused insert spread over
+/// several scripts keeps nothing, the scripts that ran before and after the refusing one
+/// included. Field bounds answer `Invalid` before Redis is asked.
+#[tokio::test]
+async fn caps_and_field_bounds() {
+    let Some(redis) = RedisServer::start("caps_and_field_bounds") else {
+        return;
+    };
+    let cfg = RedisConfig {
+        max_nodes: 2,
+        max_blocks_per_node: 1500,
+        script_batch: 512,
+        ..config(&redis.url())
+    };
+    let d = open(cfg);
+    let (a, b, c) = (
+        NodeId::new_session("10.0.9.1:1"),
+        NodeId::new_session("10.0.9.2:1"),
+        NodeId::new_session("10.0.9.3:1"),
+    );
+    d.heartbeat(&a).await.unwrap();
+    d.heartbeat(&b).await.unwrap();
+    match d.heartbeat(&c).await {
+        Err(DirectoryError::LimitReached { limit, message }) => {
+            assert_eq!(limit, "max_nodes");
+            assert!(
+                message.contains("2 live nodes; the limit is 2"),
+                "{message}"
+            );
+        }
+        other => panic!("{other:?}"),
+    }
+    d.heartbeat(&a).await.unwrap();
+
+    assert_eq!(
+        d.insert(&a, "ns", &hashes(0..1000)).await.unwrap().inserted,
+        1000
+    );
+    // Scripts of 512: the first adds 312, the second would pass 1500 and is refused, the
+    // third (176 new) fits again; all of it is taken back.
+    match d.insert(&a, "ns", &hashes(800..2000)).await {
+        Err(DirectoryError::LimitReached { limit, message }) => {
+            assert_eq!(limit, "max_blocks_per_node");
+            assert!(message.contains("the limit is 1500"), "{message}");
+        }
+        other => panic!("{other:?}"),
+    }
+    assert_eq!(
+        d.query_prefix("ns", &hashes(0..2000), None).await.unwrap(),
+        vec![np(&a, 1000)]
+    );
+    assert!(d
+        .query_prefix("ns", &hashes(1000..2000), None)
+        .await
+        .unwrap()
+        .is_empty());
+    // Re-inserting owned entries is no growth; 500 more fit exactly.
+    d.insert(&a, "ns", &hashes(0..1000)).await.unwrap();
+    d.insert(&a, "ns", &hashes(1000..1500)).await.unwrap();
+    assert!(d.insert(&a, "ns", &hashes(1500..1501)).await.is_err());
+
+    let invalid = |r: Result<(), DirectoryError>, what: &str| match r {
+        Err(DirectoryError::Invalid(m)) => assert!(m.contains(what), "{m}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    invalid(
+        d.heartbeat(&NodeId::new_session("n".repeat(257)))
+            .await
+            .map(drop),
+        "node is 257 bytes",
+    );
+    invalid(
+        d.insert(&a, "ns", &[vec![]]).await.map(drop),
+        "block_hashes[0] is empty",
+    );
+    invalid(
+        d.insert(&a, &"n".repeat(1025), &hashes(0..1))
+            .await
+            .map(drop),
+        "namespace is 1025 bytes",
+    );
+    invalid(
+        d.query_prefix("ns", &[vec![0; 1025]], None).await.map(drop),
+        "block_hashes[0] is 1025 bytes",
+    );
+    invalid(
+        d.query_prefix("ns", &hashes(0..1), Some(&"x".repeat(300)))
+            .await
+            .map(drop),
+        "exclude_node is 300 bytes",
+    );
+
+    // An unregistered node frees its place; so does one that went stale.
+    d.unregister(&b).await.unwrap();
+    d.heartbeat(&c).await.unwrap();
+    tokio::time::sleep(Duration::from_millis(2500)).await;
+    d.heartbeat(&c).await.unwrap();
+    d.heartbeat(&NodeId::new_session("10.0.9.4:1"))
+        .await
+        .unwrap();
 }
 
 /// Block keys carry the TTL, node records the stale interval, as native expiry.

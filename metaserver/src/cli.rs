@@ -26,7 +26,7 @@ to 256 bytes, namespaces up to 1 KiB, block hashes of 1 B to 1 KiB, up to 1,048,
 request; INVALID_ARGUMENT otherwise), and the caps below answer RESOURCE_EXHAUSTED. Their \
 defaults come from this machine's memory M (the lower of MemTotal and the cgroup limit): a \
 store of M/2, M/2 / 16 MiB nodes (64 to 65536), and an eighth of the store per node in \
-160-byte entries.
+192-byte entries.
 
 HTTP: GET /health answers `ok` (503 with the reason while the Redis backend is unreachable); \
 GET /metrics serves Prometheus text with PegaFlow's pegaflow_metaserver_* families and ours.";
@@ -45,7 +45,10 @@ impl std::fmt::Display for Size {
             (1 << 20, "MiB"),
             (1 << 10, "KiB"),
         ];
-        match UNITS.iter().find(|(u, _)| self.0 >= *u && self.0.is_multiple_of(*u)) {
+        match UNITS
+            .iter()
+            .find(|(u, _)| self.0 >= *u && self.0.is_multiple_of(*u))
+        {
             Some((u, name)) => write!(f, "{} {name}", self.0 / u),
             None => write!(f, "{} B", self.0),
         }
@@ -155,7 +158,7 @@ pub struct Args {
 
     /// Block entries one node session may own: an insert that would pass it answers
     /// RESOURCE_EXHAUSTED and keeps nothing of its batch. Default: an eighth of the store
-    /// budget in 160-byte entries (a 32-byte hash each), at least 65536 (this machine's
+    /// budget in 192-byte entries (a 32-byte hash each), at least 65536 (this machine's
     /// figure shown). With --redis, counted in the node's record.
     #[arg(long, value_name = "N", default_value_t = Caps::defaults().max_blocks_per_node)]
     pub max_blocks_per_node: u64,

@@ -69,6 +69,63 @@ pub async fn run_all(f: &dyn DirectoryFixture) {
     takeover_only_after_the_holder_is_stale(f).await;
 }
 
+/// The storage server's field bounds (not part of PegaFlow's contract: its MetaServer
+/// stores whatever it gets, so [`run_all`] leaves this out; backends of this repository run
+/// it): an oversized or empty field is `Invalid`, and nothing is stored.
+pub async fn fields_past_their_bounds_are_invalid(f: &dyn DirectoryFixture) {
+    let d = f.open();
+    let a = node(1020);
+    d.heartbeat(&a).await.expect("heartbeat");
+    let invalid = |r: Result<(), DirectoryError>, what: &str| match r {
+        Err(DirectoryError::Invalid(m)) => assert!(m.contains(what), "{what}: {m}"),
+        other => panic!("{what}: {other:?}"),
+    };
+    invalid(
+        d.heartbeat(&NodeId::new_session("n".repeat(257)))
+            .await
+            .map(drop),
+        "node",
+    );
+    invalid(
+        d.insert(&a, &"n".repeat(1025), &hashes(0..1))
+            .await
+            .map(drop),
+        "namespace",
+    );
+    invalid(
+        d.insert(&a, "ns-bounds", &[h(0), vec![]]).await.map(drop),
+        "block_hashes",
+    );
+    invalid(
+        d.insert(&a, "ns-bounds", &[vec![1; 1025]]).await.map(drop),
+        "block_hashes",
+    );
+    invalid(
+        d.remove(&a, "ns-bounds", &[vec![]]).await.map(drop),
+        "block_hashes",
+    );
+    invalid(
+        d.query_prefix("ns-bounds", &hashes(0..1), Some(&"x".repeat(257)))
+            .await
+            .map(drop),
+        "exclude_node",
+    );
+    assert!(
+        d.query_prefix("ns-bounds", &[h(0)], None)
+            .await
+            .expect("query")
+            .is_empty(),
+        "nothing of a refused insert is stored"
+    );
+    // The bounds themselves are accepted.
+    d.insert(&a, "ns-bounds", &[vec![1; 1024], vec![2]])
+        .await
+        .expect("a 1 KiB hash");
+    d.heartbeat(&NodeId::new_session("n".repeat(256)))
+        .await
+        .expect("a 256-byte address");
+}
+
 /// The first heartbeat of a session says the directory had nothing of it; the next does not.
 pub async fn first_heartbeat_reports_lost_state(f: &dyn DirectoryFixture) {
     let d = f.open();

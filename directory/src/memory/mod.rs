@@ -1000,7 +1000,7 @@ inventory::submit! {
                 PluginOption { name: "min_reclaimable_owners", help: "live owners from which a newly owned hash is reported reclaimable (>= 2)" },
                 PluginOption { name: "sweep_interval_secs", help: "seconds between background lifecycle sweeps; 0 = none" },
                 PluginOption { name: "max_nodes", help: "registered nodes at most (default: the store budget / 16 MiB, within 64..=65536)" },
-                PluginOption { name: "max_blocks_per_node", help: "block entries one node session may own (default: an eighth of the store budget in 160-byte entries)" },
+                PluginOption { name: "max_blocks_per_node", help: "block entries one node session may own (default: an eighth of the store budget in 192-byte entries)" },
                 PluginOption { name: "max_store_bytes", help: "estimated bytes of entries and namespaces at most (default: half of the machine's memory)" },
             ],
         },

@@ -21,6 +21,9 @@
 //!   `run_id` of the Redis process that last saw the node.
 //! - `<prefix>b:<namespace>:<hash in hex>`: a hash mapping each owner's `addr` to the `tag`
 //!   it inserted under, with an `EXPIRE` of `ttl_minutes` renewed by every insert.
+//! - `<prefix>nodes`: the live-node index, a sorted set of addresses scored by when their
+//!   record expires (Redis's clock, ms), updated with the record; what `max_nodes` counts
+//!   (entries past their score are dropped before counting).
 //!
 //! An owner is *visible* when its address's node record exists and holds the same tag: a
 //! node that went stale, unregistered, resynced or was taken over is invisible at once, and
@@ -46,7 +49,18 @@
 //! identity last heard of: a heartbeat finding another one answers `state_lost` too, so a
 //! reply that told of a new record and was lost (a timeout) is told again.
 //!
-//! # Limits
+//! # Bounds
+//! Every field is checked before anything is sent ([`crate::limits`]: the storage server's
+//! figures; `Invalid` otherwise). A heartbeat creating a record while `max_nodes` records are
+//! live, and an insert that would give the record more than `max_blocks_per_node` owned
+//! entries, answer `LimitReached`; a refused insert keeps nothing (the script refusing undoes
+//! its own keys, and the entries earlier scripts of the call added are removed again). A
+//! query's plan has at most [`crate::limits::MAX_PLAN_SEGMENTS`] segments. `owned` is an
+//! upper bound (entries that expired still count until a resync or re-registration resets
+//! it). Redis's own memory is bounded by its `maxmemory` (a write it refuses answers
+//! `Unavailable`).
+//!
+//! # Topology and late writes
 //! The scripts read node records named by the owners they find (keys not passed in
 //! `KEYS`), so Redis Cluster is not supported: use a single primary (behind a Sentinel-managed
 //! address or a proxy to one primary is fine). A call that answered `Unavailable` after its
