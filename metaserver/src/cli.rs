@@ -36,7 +36,7 @@ GET /metrics serves Prometheus text with PegaFlow's pegaflow_metaserver_* famili
 pub struct Size(pub u64);
 
 impl std::fmt::Display for Size {
-    /// Exact, in the largest binary unit that divides it (`12 GiB`, `12083 MiB`, `1000 B`),
+    /// Exact, in the largest binary unit that divides it (`12GiB`, `12083MiB`, `1000B`),
     /// so that it parses back to the same value.
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         const UNITS: [(u64, &str); 4] = [
@@ -49,8 +49,8 @@ impl std::fmt::Display for Size {
             .iter()
             .find(|(u, _)| self.0 >= *u && self.0.is_multiple_of(*u))
         {
-            Some((u, name)) => write!(f, "{} {name}", self.0 / u),
-            None => write!(f, "{} B", self.0),
+            Some((u, name)) => write!(f, "{}{name}", self.0 / u),
+            None => write!(f, "{}B", self.0),
         }
     }
 }
@@ -152,7 +152,8 @@ pub struct Args {
     /// Registered nodes (live or stale) at most: the heartbeat of one more new address
     /// answers RESOURCE_EXHAUSTED until a node unregisters or stays silent for
     /// --ttl-minutes. Default: the store budget / 16 MiB, within 64..=65536 (this machine's
-    /// figure shown). With --redis, enforced in Redis for every MetaServer sharing it.
+    /// figure shown). With --redis, live node records count (a stale one has expired), for
+    /// every MetaServer sharing the Redis.
     #[arg(long, value_name = "N", default_value_t = Caps::defaults().max_nodes)]
     pub max_nodes: u64,
 
@@ -369,10 +370,10 @@ mod tests {
         );
         assert!(args(&["--max-store-bytes", "lots"]).is_err());
         for (v, shown) in [
-            (3u64 << 30, "3 GiB"),
-            (12_083 << 20, "12083 MiB"),
-            (1000, "1000 B"),
-            (5 << 40, "5 TiB"),
+            (3u64 << 30, "3GiB"),
+            (12_083 << 20, "12083MiB"),
+            (1000, "1000B"),
+            (5 << 40, "5TiB"),
         ] {
             assert_eq!(Size(v).to_string(), shown);
             assert_eq!(shown.parse::<Size>().unwrap(), Size(v));

@@ -44,6 +44,9 @@ fn help_lists_every_flag_with_its_default() {
         "--redis",
         "--redis-key-prefix",
         "--redis-timeout-ms",
+        "--max-nodes",
+        "--max-blocks-per-node",
+        "--max-store-bytes",
     ] {
         assert!(text.contains(flag), "--help does not list {flag}:\n{text}");
     }
@@ -85,6 +88,13 @@ fn bad_values_exit_2_with_a_message() {
         (&["--ttl-minutes", "-1"], "-1"),
         (&["--redis-key-prefix", "x:"], "--redis"),
         (&["--no-such-flag"], "--no-such-flag"),
+        (&["--max-nodes", "0"], "--max-nodes must be greater than 0"),
+        (
+            &["--max-blocks-per-node", "0"],
+            "--max-blocks-per-node must be greater than 0",
+        ),
+        (&["--max-store-bytes", "512KiB"], "at least 1 MiB"),
+        (&["--max-store-bytes", "lots"], "--max-store-bytes"),
     ];
     for (args, want) in cases {
         let (code, text) = run(args);

@@ -318,6 +318,18 @@ async fn two_metaservers_share_one_redis() {
         (e.code(), e.message()),
         (tonic::Code::FailedPrecondition, "unknown node")
     );
+    // Large requests run on a blocking thread, talking to Redis from there.
+    let (n, _) = insert(&mut c1, a, &sa, "big", hs(0..6000)).await.unwrap();
+    assert_eq!(n, 6000);
+    assert_eq!(
+        query(&mut c2, "big", hs(0..6001)).await.unwrap(),
+        vec![(a.into(), 6000)]
+    );
+    let (_, text) = common::http_get(&two.http, "/metrics");
+    assert!(
+        text.contains("pegaflow_metaserver_large_requests_total{method=\"query_prefix_blocks\"} 1"),
+        "{text}"
+    );
 
     let (code, body) = common::http_get(&two.http, "/health");
     assert_eq!((code, body.as_str()), (200, "ok"));

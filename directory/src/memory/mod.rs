@@ -468,8 +468,10 @@ impl MemoryDirectory {
             }
             previous => {
                 t.register(node, now, self.caps.max_nodes)?;
+                // Debug only: a client can cause these at will (the MetaServer logs
+                // registrations itself, rate limited).
                 if previous.is_some() {
-                    tracing::info!(node = %echo(&node.addr), session = %echo(&node.session),
+                    tracing::debug!(node = %echo(&node.addr), session = %echo(&node.session),
                         "directory node taken over from a stale session");
                 } else {
                     tracing::debug!(node = %echo(&node.addr), session = %echo(&node.session),
