@@ -113,7 +113,9 @@ pub fn sync_data(file: &File) -> io::Result<()> {
     rustix::fs::fdatasync(file).map_err(io::Error::from)
 }
 
-/// Whether an I/O error means "no space" (ENOSPC, EDQUOT).
+/// Whether an I/O error means "no space": ENOSPC, EDQUOT, or the tier's own free-space
+/// accounting (`StorageFull` without an OS error: free space minus reserve below a segment).
 pub fn is_no_space(e: &io::Error) -> bool {
     matches!(e.raw_os_error(), Some(libc::ENOSPC) | Some(libc::EDQUOT))
+        || (e.raw_os_error().is_none() && e.kind() == io::ErrorKind::StorageFull)
 }

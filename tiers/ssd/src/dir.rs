@@ -1,19 +1,29 @@
-//! One cache directory (or one cache file): its owner lock, superblock, geometry and segment
-//! slots. Blocking: opened at start, slot files opened and preallocated from blocking
-//! threads.
+//! One cache directory (or one cache file): its owner lock, superblock, geometry, segment
+//! slots and free-space accounting. Blocking: opened at start, slot files opened and
+//! preallocated from blocking threads.
+//!
+//! Owns: the owner lock — an exclusive `flock` on the store itself (the directory, or the
+//! one data file), so that no file inside the store can be unlinked to defeat it — and the
+//! check that the path still names the locked store ([`Dir::check_owner`]); the capacity at
+//! start (`min(capacity, free + held − reserve)`, with a WARN naming both figures when that
+//! cuts it) and at run time (a new segment file is created only while `statvfs` shows free
+//! space above the reserve, so that stores sharing a filesystem share its free space).
+//!
+//! Must never: overwrite a file that is not a pegaflow store, open a store of another format
+//! version, or create a segment file that would eat into the reserve.
 
 use std::fs::File;
-use std::io::{self, Read, Seek, Write};
+use std::io;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicBool, AtomicU32};
+use std::sync::atomic::{AtomicBool, AtomicU32, Ordering};
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
 use parking_lot::Mutex;
 
 use crate::device;
-use crate::format::{align_up, Superblock};
+use crate::format::{align_up, FormatError, Superblock, FORMAT_VERSION};
 
 /// Where a store's segments live.
 #[derive(Debug)]
@@ -54,9 +64,23 @@ pub struct Dir {
     /// Where the alignment came from (`statx`, `sysfs`, ...).
     pub align_source: &'static str,
     files: Mutex<Vec<Option<Arc<File>>>>,
-    _lock: File,
-    /// I/O errors in a row.
+    /// The locked store (the directory, or the data file), and its `(dev, ino)`.
+    lock: File,
+    lock_id: (u64, u64),
+    /// Bytes left free on the filesystem (the configured reserve, at most 5 % of it).
+    pub reserve: u64,
+    /// Bytes this path was configured to hold (`capacity / paths`).
+    pub configured_bytes: u64,
+    /// Why the capacity at start is below `configured_bytes` (free space), when it is.
+    pub start_cut: Option<String>,
+    /// I/O errors in a row (reads and writes; ENOSPC excluded): `max_errors` of them take the
+    /// path out of service.
     pub errors: AtomicU32,
+    /// Failed writes in a row (ENOSPC included); reset by a completed write.
+    pub write_fails: AtomicU32,
+    /// The last segment creation found no room (free space − reserve below one segment):
+    /// the path holds only the segment files it has.
+    pub no_room: AtomicBool,
     /// Out of service.
     pub degraded: AtomicBool,
 }
@@ -90,15 +114,18 @@ struct Opened {
     slots: u32,
     direct: bool,
     files: Vec<Option<Arc<File>>>,
+    start_cut: Option<String>,
 }
 
-fn lock_path(path: &Path, is_file: bool) -> PathBuf {
+/// The file that names the owner's pid (information for the refusal message only: the lock
+/// is on the store itself, and removing this file changes nothing).
+fn owner_path(path: &Path, is_file: bool) -> PathBuf {
     if is_file {
         let mut p = path.as_os_str().to_owned();
-        p.push(".lock");
+        p.push(".owner");
         PathBuf::from(p)
     } else {
-        path.join("lock")
+        path.join("owner")
     }
 }
 
@@ -107,37 +134,58 @@ fn lock_path(path: &Path, is_file: bool) -> PathBuf {
 /// flock of a directory just closed here, until it execs.
 const OWN_LOCK_WAIT: std::time::Duration = std::time::Duration::from_secs(2);
 
-/// The pid a lock file names (`pid N`), when it names one.
-fn lock_holder(f: &mut File) -> Option<u32> {
-    let mut s = String::new();
-    f.seek(io::SeekFrom::Start(0)).ok()?;
-    f.read_to_string(&mut s).ok()?;
+/// `(dev, ino)` of an open file.
+fn file_id(f: &File) -> io::Result<(u64, u64)> {
+    let st = rustix::fs::fstat(f)?;
+    Ok((st.st_dev, st.st_ino))
+}
+
+/// The pid holding an exclusive `flock` on the inode `id`, from `/proc/locks`.
+fn flock_holder(id: (u64, u64)) -> Option<u32> {
+    let want = format!(
+        "{:02x}:{:02x}:{}",
+        rustix::fs::major(id.0),
+        rustix::fs::minor(id.0),
+        id.1
+    );
+    let locks = std::fs::read_to_string("/proc/locks").ok()?;
+    locks.lines().find_map(|l| {
+        let w: Vec<&str> = l.split_whitespace().collect();
+        // `N: FLOCK ADVISORY WRITE pid maj:min:ino start end` (waiters have `->` after N:).
+        (w.len() >= 6 && w[1] == "FLOCK" && w[3] == "WRITE" && w[5] == want)
+            .then(|| w[4].parse().ok())
+            .flatten()
+    })
+}
+
+/// The pid an owner file names (`pid N`), when it names one.
+fn owner_file_pid(p: &Path) -> Option<u32> {
+    let s = std::fs::read_to_string(p).ok()?;
     s.split_whitespace()
         .skip_while(|w| *w != "pid")
         .nth(1)
         .and_then(|p| p.parse().ok())
 }
 
-/// Takes the owner lock (a second server on the same path fails here, naming the holder's
-/// pid when the lock file says it), then writes this process's pid into it. A lock that
-/// names this very process is retried for up to [`OWN_LOCK_WAIT`] first: it is either a
-/// store of this process still closing or a forked child's inherited copy, both brief.
-fn take_lock(path: &Path, is_file: bool) -> anyhow::Result<File> {
-    let lp = lock_path(path, is_file);
-    let mut f = std::fs::OpenOptions::new()
-        .read(true)
-        .write(true)
-        .create(true)
-        .truncate(false)
-        .open(&lp)
-        .with_context(|| format!("cannot open the SSD lock file {}", lp.display()))?;
+/// Takes the owner lock: an exclusive `flock` on the store itself (the directory, or the
+/// data file of a one-file store), so that unlinking any file inside it cannot hand the
+/// store to a second server. A second server on the same path fails here, naming the
+/// holder's pid (from `/proc/locks`, else the owner file). A lock that names this very
+/// process is retried for up to [`OWN_LOCK_WAIT`] first: it is either a store of this
+/// process still closing or a forked child's inherited copy, both brief. Then writes this
+/// process's pid into the owner file.
+fn take_lock(path: &Path, is_file: bool) -> anyhow::Result<(File, (u64, u64))> {
+    let f =
+        File::open(path).with_context(|| format!("cannot open {} to lock it", path.display()))?;
+    let id = file_id(&f)?;
+    let op = owner_path(path, is_file);
     let me = std::process::id();
     let deadline = std::time::Instant::now() + OWN_LOCK_WAIT;
     loop {
         match device::lock_exclusive(&f) {
             Ok(()) => break,
             Err(e) if e.kind() == io::ErrorKind::WouldBlock => {
-                let holder = lock_holder(&mut f);
+                let holder = flock_holder(id).or_else(|| owner_file_pid(&op));
                 if holder == Some(me) && std::time::Instant::now() < deadline {
                     std::thread::sleep(std::time::Duration::from_millis(10));
                     continue;
@@ -154,13 +202,20 @@ fn take_lock(path: &Path, is_file: bool) -> anyhow::Result<File> {
                     path.display()
                 );
             }
-            Err(e) => return Err(e).with_context(|| format!("cannot lock {}", lp.display())),
+            Err(e) => {
+                return Err(e).with_context(|| format!("cannot lock {}", path.display()));
+            }
         }
     }
-    f.set_len(0)?;
-    f.seek(io::SeekFrom::Start(0))?;
-    writeln!(f, "pid {me}")?;
-    Ok(f)
+    let tmp = {
+        let mut p = op.as_os_str().to_owned();
+        p.push(".tmp");
+        PathBuf::from(p)
+    };
+    std::fs::write(&tmp, format!("pid {me}\n"))
+        .and_then(|()| std::fs::rename(&tmp, &op))
+        .with_context(|| format!("cannot write the SSD owner file {}", op.display()))?;
+    Ok((f, id))
 }
 
 impl Dir {
@@ -189,7 +244,7 @@ impl Dir {
                 return Err(e).with_context(|| format!("cannot stat {}", path.display()));
             }
         };
-        let lock = take_lock(path, is_file)?;
+        let (lock, lock_id) = take_lock(path, is_file)?;
         let fs_dir = if is_file {
             match path.parent() {
                 Some(p) if !p.as_os_str().is_empty() => p.to_path_buf(),
@@ -214,6 +269,14 @@ impl Dir {
             Self::open_dir(path, opts, &probe)?
         };
         let align = u64::from(o.sb.align);
+        if let Some(cut) = &o.start_cut {
+            tracing::warn!(
+                path = %path.display(),
+                configured = %bytesize::ByteSize::b(opts.capacity),
+                effective = %bytesize::ByteSize::b(u64::from(o.slots) * o.sb.segment_size),
+                "SSD capacity cut below the configured figure: {cut}"
+            );
+        }
         Ok(Self {
             path: path.to_path_buf(),
             layout: o.layout,
@@ -225,8 +288,14 @@ impl Dir {
             direct: o.direct,
             align_source,
             files: Mutex::new(o.files),
-            _lock: lock,
+            lock,
+            lock_id,
+            reserve,
+            configured_bytes: opts.capacity,
+            start_cut: o.start_cut,
             errors: AtomicU32::new(0),
+            write_fails: AtomicU32::new(0),
+            no_room: AtomicBool::new(false),
             degraded: AtomicBool::new(false),
         })
     }
@@ -249,11 +318,12 @@ impl Dir {
         let cap = opts.capacity.min(room);
         let sb_path = path.join("superblock");
         let sb = match std::fs::read(&sb_path) {
-            Ok(b) => Superblock::decode(&b).with_context(|| {
-                format!(
+            Ok(b) => Superblock::decode(&b).map_err(|e| match e {
+                FormatError::Version(v) => version_refusal(path, v, "the directory's contents"),
+                e => anyhow::anyhow!(e).context(format!(
                     "{} is not a pegaflow SSD superblock (remove the directory's contents to start afresh)",
                     sb_path.display()
-                )
+                )),
             })?,
             Err(e) if e.kind() == io::ErrorKind::NotFound => {
                 // Sized for what fits (free space), not only what was asked.
@@ -294,6 +364,8 @@ impl Dir {
                 reserve
             );
         }
+        let start_cut = (room < opts.capacity)
+            .then(|| cut_reason(free, held, reserve, u64::from(slots) * sb.segment_size));
         // Segment files past the slot count (a smaller capacity than last time) are removed.
         for e in std::fs::read_dir(path)?.flatten() {
             let name = e.file_name().to_string_lossy().into_owned();
@@ -317,6 +389,7 @@ impl Dir {
             slots,
             direct,
             files: vec![None; slots as usize],
+            start_cut,
         })
     }
 
@@ -337,15 +410,17 @@ impl Dir {
         let existing = if ours {
             // Our magic: it must parse (a damaged or newer-format store is refused, never
             // reformatted).
-            Some(Superblock::decode(head.slice(got)).with_context(|| {
-                format!(
+            Some(Superblock::decode(head.slice(got)).map_err(|e| match e {
+                FormatError::Version(v) => version_refusal(path, v, "the file"),
+                e => anyhow::anyhow!(e).context(format!(
                     "{} holds a pegaflow SSD store this build cannot open (remove the file to start afresh)",
                     path.display()
-                )
+                )),
             })?)
         } else {
             None
         };
+        let mut start_cut = None;
         let sb = match existing {
             Some(sb) => sb,
             None => {
@@ -374,6 +449,9 @@ impl Dir {
                         "SSD cache file {}: no room for one {seg}-byte segment ({free} bytes free, {reserve} reserved)",
                         path.display()
                     );
+                }
+                if room.saturating_sub(FILE_BASE) < opts.capacity {
+                    start_cut = Some(cut_reason(free, len, reserve, slots * seg));
                 }
                 device::preallocate(&file, 0, FILE_BASE + slots * seg).with_context(|| {
                     format!("cannot preallocate the SSD cache file {}", path.display())
@@ -405,12 +483,75 @@ impl Dir {
             slots,
             direct,
             files: vec![Some(file); slots as usize],
+            start_cut,
         })
     }
 
-    /// Bytes of segments this directory may hold.
+    /// Bytes of segments this directory may hold: every slot, or (while the filesystem has
+    /// no room for another segment file, [`Dir::no_room`]) the segment files it has.
     pub fn capacity(&self) -> u64 {
-        u64::from(self.slots) * self.segment_size
+        let n = if self.no_room.load(Ordering::Relaxed) {
+            self.files_held()
+        } else {
+            self.slots
+        };
+        u64::from(n) * self.segment_size
+    }
+
+    /// Slots whose segment file is open (created and preallocated).
+    pub fn files_held(&self) -> u32 {
+        self.files.lock().iter().filter(|f| f.is_some()).count() as u32
+    }
+
+    /// Whether a new segment file fits: `statvfs`'s free bytes (now, so that several stores
+    /// on one filesystem share what is left) minus the reserve cover one segment.
+    ///
+    /// # Errors
+    /// `StorageFull` (counted and shown as no space) when it does not; the `statvfs` error.
+    pub fn room_for_segment(&self) -> io::Result<()> {
+        let (free, _) = device::space(&self.path)?;
+        if free < self.reserve.saturating_add(self.segment_size) {
+            return Err(io::Error::new(
+                io::ErrorKind::StorageFull,
+                format!(
+                    "no room for another {} segment: {} free on the filesystem, {} reserved",
+                    bytesize::ByteSize::b(self.segment_size),
+                    bytesize::ByteSize::b(free),
+                    bytesize::ByteSize::b(self.reserve)
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Lets go of slot `slot`'s open segment file (a directory store): the next use opens it
+    /// again and preallocates what is missing (after a read error showed it damaged).
+    pub fn forget_file(&self, slot: u32) {
+        if matches!(self.layout, Layout::Directory) {
+            self.files.lock()[slot as usize] = None;
+        }
+    }
+
+    /// Checks that the path still names the store this process locked (a directory renamed
+    /// away or removed while in use is another process's to take: a new server would lock
+    /// the new one).
+    ///
+    /// # Errors
+    /// What the path names now, in words.
+    pub fn check_owner(&self) -> Result<(), String> {
+        let locked =
+            file_id(&self.lock).map_err(|e| format!("cannot stat the locked store: {e}"))?;
+        match rustix::fs::stat(&self.path) {
+            Ok(st) if (st.st_dev, st.st_ino) == locked && locked == self.lock_id => Ok(()),
+            Ok(_) => Err(format!(
+                "{} no longer names the store this server locked at start (it was replaced while in use)",
+                self.path.display()
+            )),
+            Err(e) => Err(format!(
+                "{} no longer names the store this server locked at start ({e})",
+                self.path.display()
+            )),
+        }
     }
 
     /// The file of slot `slot` and the offset of its segment in it. With `create`, a missing
@@ -431,6 +572,12 @@ impl Dir {
                 let exists = p.exists();
                 if !exists && !create {
                     return Err(io::Error::from(io::ErrorKind::NotFound));
+                }
+                if create {
+                    let short = std::fs::metadata(&p).map_or(true, |m| m.len() < self.segment_size);
+                    if short {
+                        self.room_for_segment()?;
+                    }
                 }
                 let (f, _) = device::open_data(&p, create, self.direct)?;
                 if f.metadata()?.len() < self.segment_size {
@@ -470,6 +617,34 @@ impl Dir {
 fn segment_size_for(configured: u64, capacity: u64, align: u64) -> u64 {
     let small = (capacity / 8).max(1 << 20);
     align_up(configured.min(small).max(16 * align), align)
+}
+
+/// Why the capacity at start is below the configured figure, in words.
+fn cut_reason(free: u64, held: u64, reserve: u64, effective: u64) -> String {
+    let b = bytesize::ByteSize::b;
+    format!(
+        "free space {} + {} of segments already held − reserve {} leaves {} (whole segments)",
+        b(free),
+        b(held),
+        b(reserve),
+        b(effective)
+    )
+}
+
+/// The refusal of a store of another on-disk format version.
+fn version_refusal(path: &Path, v: u32, what: &str) -> anyhow::Error {
+    let why = if v < FORMAT_VERSION {
+        "an earlier pegaflow-rs wrote it; its records' checksums do not bind a payload to the block \
+         and place it was written for, so this build does not read them"
+    } else {
+        "a newer build wrote it"
+    };
+    anyhow::anyhow!(
+        "SSD cache path {} holds a store of on-disk format version {v}, and this build reads and \
+         writes version {FORMAT_VERSION} only ({why}): remove {what} (a cache: the blocks are \
+         saved again) or point --ssd-cache-path elsewhere",
+        path.display()
+    )
 }
 
 fn segment_name(slot: u32) -> String {
@@ -540,18 +715,73 @@ mod tests {
         assert!(e.contains(&format!("pid {}", std::process::id())), "{e}");
         drop(a);
         Dir::open(d.path(), o).unwrap();
-        // Held by a process the lock file names as another: refused at once, naming it.
-        let lp = lock_path(d.path(), false);
-        let other = std::fs::OpenOptions::new().write(true).open(&lp).unwrap();
-        device::lock_exclusive(&other).unwrap();
-        std::fs::write(&lp, "pid 4194304\n").unwrap();
+        // Held by another process (flock(1) on the directory): refused at once, naming it.
+        let mut other = match std::process::Command::new("flock")
+            .arg("--nonblock")
+            .arg(d.path())
+            .args(["sleep", "30"])
+            .spawn()
+        {
+            Ok(c) => c,
+            Err(e) => {
+                eprintln!("SKIPPED: the other-process half needs flock(1): {e}");
+                return;
+            }
+        };
+        let id = file_id(&File::open(d.path()).unwrap()).unwrap();
+        let t0 = std::time::Instant::now();
+        while flock_holder(id).is_none() && t0.elapsed() < std::time::Duration::from_secs(10) {
+            std::thread::sleep(std::time::Duration::from_millis(10));
+        }
         let t0 = std::time::Instant::now();
         let e = Dir::open(d.path(), o).unwrap_err().to_string();
-        assert!(e.contains("in use by another process (pid 4194304)"), "{e}");
+        assert!(
+            e.contains(&format!("in use by another process (pid {})", other.id())),
+            "{e}"
+        );
         assert!(
             t0.elapsed() < OWN_LOCK_WAIT,
             "another holder is not waited for"
         );
-        drop(other);
+        other.kill().unwrap();
+        other.wait().unwrap();
+    }
+
+    /// The lock is on the store itself: removing the owner file (or any file in the store)
+    /// does not let a second opener in.
+    #[test]
+    fn removing_the_owner_file_does_not_unlock_the_store() {
+        let d = tempfile::tempdir().unwrap();
+        let o = small();
+        let a = Dir::open(d.path(), o).unwrap();
+        for name in ["owner", "lock"] {
+            let _ = std::fs::remove_file(d.path().join(name));
+        }
+        let e = Dir::open(d.path(), o)
+            .map(|_| ())
+            .expect_err("a second open after the owner file was unlinked");
+        assert!(
+            e.to_string().contains("already open in this process"),
+            "{e}"
+        );
+        a.check_owner().unwrap();
+        drop(a);
+        Dir::open(d.path(), o).unwrap();
+    }
+
+    /// A store directory replaced while in use (renamed away, a new one made at its path):
+    /// the check says so.
+    #[test]
+    fn a_replaced_store_directory_is_noticed() {
+        let d = tempfile::tempdir().unwrap();
+        let p = d.path().join("ssd");
+        let a = Dir::open(&p, small()).unwrap();
+        a.check_owner().unwrap();
+        std::fs::rename(&p, d.path().join("away")).unwrap();
+        let e = a.check_owner().unwrap_err();
+        assert!(e.contains("no longer names the store"), "{e}");
+        std::fs::create_dir(&p).unwrap();
+        let e = a.check_owner().unwrap_err();
+        assert!(e.contains("replaced while in use"), "{e}");
     }
 }

@@ -1,4 +1,4 @@
-//! The on-disk format (version 1), little-endian throughout. Every structure carries a magic
+//! The on-disk format (version 2), little-endian throughout. Every structure carries a magic
 //! and a CRC-32C (Castagnoli) of its bytes; nothing is trusted that fails either.
 //!
 //! Per directory: a superblock (`superblock`, one alignment unit), an owner lock, and
@@ -15,9 +15,21 @@
 //!
 //! A record is `header | payload | trailer` padded with zeros to the alignment. The header
 //! names the block (namespace, group, hash), its slot layout and payload length, the
-//! segment's generation and a store-wide sequence number; the trailer holds the payload's
-//! CRC-32C. A new segment in a reused slot has a higher generation, so stale records behind
-//! its append point never parse as its own.
+//! segment's generation and a store-wide sequence number, and carries its own CRC-32C (so
+//! that recovery can walk headers without reading payloads). The trailer holds the
+//! **record checksum**: one CRC-32C over the record's place (store id, segment slot, offset
+//! in the segment), then the header's bytes (all but its own CRC), then the payload
+//! ([`RecordPlace::seed`] and [`record_crc`]). A payload is therefore bound to the header that names it and to the
+//! place it was written to: a payload and trailer copied over another record (a misdirected
+//! or lost write, an offset bug), a whole record copied to another offset or segment, or a
+//! stale record of an earlier generation of the same slot never verifies. A new segment in
+//! a reused slot has a higher generation, so stale records behind its append point never
+//! parse as its own.
+//!
+//! Version 1 (before the record checksum covered the header and the place: its trailer held
+//! the payload's CRC alone) is not read: a store of version 1 is refused at start with a
+//! message that says so ([`FormatError::Version`]), never read under the version-2 rule and
+//! never overwritten.
 
 use pegaflow_runtime::block::{BlockKey, BlockShape};
 
@@ -34,7 +46,10 @@ pub const TRAILER_MAGIC: u32 = 0x5046_4e44;
 /// Summary magic.
 pub const SUMMARY_MAGIC: u32 = 0x5046_534d;
 /// The format version this build writes and reads.
-pub const FORMAT_VERSION: u32 = 1;
+pub const FORMAT_VERSION: u32 = 2;
+/// Domain tag at the start of every record checksum (so that no other structure's bytes
+/// can produce one).
+const RECORD_CRC_TAG: &[u8; 8] = b"PFSSDRC2";
 /// Bytes of a record trailer.
 pub const TRAILER_BYTES: usize = 8;
 /// Fixed part of a record header (before namespace, hash and slot lengths; without crc).
@@ -49,8 +64,11 @@ pub enum FormatError {
     /// The checksum does not match.
     #[error("{0} checksum mismatch")]
     Checksum(&'static str),
-    /// A version this build does not read.
-    #[error("format version {0} (this build reads {FORMAT_VERSION})")]
+    /// A version this build does not read (version 1: its records' checksums do not bind
+    /// the payload to the header and place; a later version: written by a newer build).
+    #[error(
+        "on-disk format version {0} (this build reads and writes version {FORMAT_VERSION} only)"
+    )]
     Version(u32),
 }
 
@@ -323,18 +341,53 @@ impl RecordHeader {
     }
 }
 
-/// Encodes a record trailer for a payload checksum.
-pub fn trailer(payload_crc: u32) -> [u8; TRAILER_BYTES] {
+/// Where a record lies: what its checksum binds it to besides its header.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RecordPlace {
+    /// The store's identity (from the superblock).
+    pub store_id: u64,
+    /// The segment slot in its directory (or file).
+    pub slot: u32,
+    /// Offset of the record from the start of its segment, bytes.
+    pub offset: u64,
+}
+
+impl RecordPlace {
+    /// The record checksum's state after the place and the encoded header `header` (as on
+    /// disk, its own CRC included): continue it over the payload with
+    /// `crc32c::crc32c_append`, then compare with (or write) the trailer.
+    ///
+    /// The header's own CRC stays out of the record checksum: a CRC-32C run over bytes that
+    /// end in their own CRC-32C reaches the same state whatever those bytes are (the CRC
+    /// residue), which would make every header of one length bind alike.
+    pub fn seed(&self, header: &[u8]) -> u32 {
+        let mut p = [0u8; 28];
+        p[..8].copy_from_slice(RECORD_CRC_TAG);
+        p[8..16].copy_from_slice(&self.store_id.to_le_bytes());
+        p[16..20].copy_from_slice(&self.slot.to_le_bytes());
+        p[20..28].copy_from_slice(&self.offset.to_le_bytes());
+        let body = &header[..header.len().saturating_sub(4)];
+        crc32c::crc32c_append(crc32c::crc32c(&p), body)
+    }
+}
+
+/// The record checksum of a whole record: place, header (without its own CRC), payload.
+pub fn record_crc(place: &RecordPlace, header: &[u8], payload: &[u8]) -> u32 {
+    crc32c::crc32c_append(place.seed(header), payload)
+}
+
+/// Encodes a record trailer for a record checksum.
+pub fn trailer(record_crc: u32) -> [u8; TRAILER_BYTES] {
     let mut t = [0u8; TRAILER_BYTES];
-    t[..4].copy_from_slice(&payload_crc.to_le_bytes());
+    t[..4].copy_from_slice(&record_crc.to_le_bytes());
     t[4..].copy_from_slice(&TRAILER_MAGIC.to_le_bytes());
     t
 }
 
-/// Checks a trailer against the payload checksum.
-pub fn trailer_ok(t: &[u8], payload_crc: u32) -> bool {
+/// Checks a trailer against the record checksum.
+pub fn trailer_ok(t: &[u8], record_crc: u32) -> bool {
     t.len() >= TRAILER_BYTES
-        && t[..4] == payload_crc.to_le_bytes()
+        && t[..4] == record_crc.to_le_bytes()
         && t[4..8] == TRAILER_MAGIC.to_le_bytes()
 }
 

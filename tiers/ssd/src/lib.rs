@@ -26,6 +26,7 @@ pub mod dir;
 pub mod format;
 pub mod io;
 pub mod metrics;
+mod ratelog;
 pub mod store;
 pub mod verify;
 

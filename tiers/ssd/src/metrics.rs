@@ -40,11 +40,15 @@ pub struct SsdMetrics {
     pub prefetch_queue_full: IntCounter,
     /// Blocks written / read, by op.
     pub blocks: IntCounterVec,
-    /// I/O errors by op (`write`, `read`, `preallocate`, `sync`) and kind (`eio`, `enospc`, `short`, `other`).
+    /// I/O errors by op (`write`, `read`, `preallocate`, `summary`, `sync`, `recover`) and
+    /// kind (`eio`, `enospc`, `short`, `other`).
     pub errors: IntCounterVec,
-    /// Records that failed their checks when read (dropped from the index).
-    pub corrupt_records: IntCounter,
-    /// Segments evicted, by reason (`capacity`, `enospc`, `degraded`).
+    /// Records that failed their checks when read (dropped from the index, never served), by
+    /// why: `header` (no record header where the index has one), `identity` (another block,
+    /// generation or slot layout), `checksum` (the record checksum over place, header and
+    /// payload fails: a misdirected, lost or torn write, rotten bytes), `short`.
+    pub corrupt_records: IntCounterVec,
+    /// Segments evicted, by reason (`capacity`, `enospc`, `degraded`, `read_error`).
     pub segment_evictions: IntCounterVec,
     /// Seconds the last recovery took.
     pub recovery_seconds: prometheus::Gauge,
@@ -150,9 +154,12 @@ impl SsdMetrics {
                 &["op", "kind"],
             )
             .unwrap(),
-            corrupt_records: IntCounter::new(
-                "pegaflow_ssd_corrupt_records_total",
-                "SSD records that failed their checksums or identity checks when read (dropped)",
+            corrupt_records: IntCounterVec::new(
+                Opts::new(
+                    "pegaflow_ssd_corrupt_records_total",
+                    "SSD records that failed their checks when read (dropped, never served), by why: header, identity, checksum, short",
+                ),
+                &["why"],
             )
             .unwrap(),
             segment_evictions: IntCounterVec::new(
@@ -255,6 +262,7 @@ impl SsdMetrics {
         let kind = match e.raw_os_error() {
             Some(libc::EIO) => "eio",
             Some(libc::ENOSPC) | Some(libc::EDQUOT) => "enospc",
+            None if e.kind() == std::io::ErrorKind::StorageFull => "enospc",
             _ if matches!(
                 e.kind(),
                 std::io::ErrorKind::WriteZero | std::io::ErrorKind::UnexpectedEof

@@ -35,8 +35,9 @@ pub type Fill = Box<dyn FnOnce(&mut [u8]) + Send>;
 /// the read's.
 pub type Consume = Box<dyn FnOnce(&[u8]) -> ConsumeResult + Send>;
 
-/// What a [`Consume`] returns: `Ok` or the reason the bytes were refused (a checksum).
-pub type ConsumeResult = Result<(), String>;
+/// What a [`Consume`] returns: `Ok` or the reason the bytes were refused (a record that
+/// fails its checks).
+pub type ConsumeResult = Result<(), crate::verify::Refused>;
 
 /// A positioned-I/O engine over open files.
 #[async_trait]
