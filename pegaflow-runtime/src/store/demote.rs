@@ -1,10 +1,19 @@
 //! Demotion: blocks leave host DRAM for the first lower tier, written by one worker task.
 //!
 //! Two paths. Write-behind (the usual one): once blocks that no lower tier holds fill more
-//! than `write_behind_percent` of the pool, the worker writes the oldest of them below while
-//! they stay in DRAM and marks them written; evicting such a block later frees its memory at
-//! once, with no I/O on the Save's path. The queue (the fallback): a block evicted before
-//! write-behind reached it is queued, bounded in bytes; its memory is freed once written.
+//! than `write_behind_percent` of the pool, or more than the queue's bound, the worker writes
+//! the oldest of them below while they stay in DRAM and marks them written; evicting such a
+//! block later frees its memory at once, with no I/O on the Save's path. The queue (the
+//! fallback): a block evicted before write-behind reached it is queued, bounded in bytes; its
+//! memory is freed once written.
+//!
+//! Why the queue's bound caps write-behind's threshold: a Save needs its memory at once, so a
+//! block it evicts is either written already (freed at once), queued (freed once written), or
+//! dropped. A Save that evicts more unwritten blocks than the queue holds must drop the rest,
+//! however idle the device is then. Writing behind while nothing is queued (the device has
+//! no demotion to do) until the unwritten blocks fit the queue spends that idle time instead:
+//! a later Save, however large, finds the blocks it evicts written or room for them in the
+//! queue, while the device kept up.
 //!
 //! Owns: the queue (oldest first), the map of blocks queued or being written (so that a query
 //! finds them and takes them back into DRAM without I/O), and the byte count they hold.
@@ -319,7 +328,7 @@ async fn write_behind(sh: &Shared) -> bool {
     let excess = stack
         .index
         .unwritten_bytes()
-        .saturating_sub(stack.write_behind_bytes());
+        .saturating_sub(write_behind_target(sh, &stack));
     if excess == 0 {
         return false;
     }
@@ -343,6 +352,18 @@ async fn write_behind(sh: &Shared) -> bool {
     }
     count_results(sh, &stack, &keys, &results);
     true
+}
+
+/// The unwritten bytes write-behind leaves in DRAM: the stack's threshold
+/// (`write_behind_percent` of the pool), at most the queue's bound (module doc);
+/// `write_behind_percent = 100` keeps write-behind off.
+fn write_behind_target(sh: &Shared, stack: &TierStack) -> u64 {
+    let t = stack.write_behind_bytes();
+    if stack.config.write_behind_percent >= 100 {
+        t
+    } else {
+        t.min(sh.cap_bytes)
+    }
 }
 
 fn count_results(
@@ -372,5 +393,92 @@ fn count_results(
     if failed > 0 {
         c.with_label_values(&[sh.tier.kind(), "failed"])
             .inc_by(failed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+    use std::time::{Duration, Instant};
+
+    use super::super::tests::{key, GatedTier, HeapPool};
+    use super::super::{IndexEvents, StoreConfig, TierStack};
+    use crate::block::{BlockShape, SealedBlock};
+    use crate::metrics::Metrics;
+    use crate::plugin::Tier;
+
+    /// A Save evicting more than the demotion queue holds, into a pool whose unwritten blocks
+    /// the device had time to write, drops nothing: write-behind wrote them while the queue
+    /// was empty. (Before, write-behind stopped at 75 % of the pool and such a Save dropped
+    /// what the queue could not take.)
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_save_larger_than_the_queue_drops_nothing_an_idle_device_could_write() {
+        let tier = Arc::new(GatedTier::default());
+        tier.open.add_permits(1 << 20);
+        let metrics = Arc::new(Metrics::new());
+        // 64 blocks of 1 KiB; the queue holds 16 KiB (a quarter of the pool).
+        let stack = TierStack::new(
+            HeapPool::new(64 << 10),
+            vec![tier.clone() as Arc<dyn Tier>],
+            StoreConfig {
+                evict_ahead_percent: 0,
+                ..StoreConfig::default()
+            },
+            metrics.clone(),
+            IndexEvents::default(),
+        );
+        let save = |first: u8, n: u8| {
+            let bufs = stack.allocate(&vec![1024; n as usize]).expect("allocates");
+            for (buf, i) in bufs.into_iter().zip(first..) {
+                let fp = buf.len() as u64;
+                let shape = BlockShape::new(vec![1024]);
+                let block = Arc::new(SealedBlock::from_buffer(0, &shape, Arc::new(buf), fp));
+                assert!(stack.insert_sealed(key(i), block));
+            }
+        };
+        for i in 0..8u8 {
+            save(i * 8, 8);
+        }
+        // The device is idle: wait until the worker has written all it will.
+        let t0 = Instant::now();
+        let mut last = (usize::MAX, Instant::now());
+        loop {
+            let n = tier.stored.lock().len();
+            if n != last.0 {
+                last = (n, Instant::now());
+            } else if last.1.elapsed() > Duration::from_millis(200) {
+                break;
+            }
+            assert!(
+                t0.elapsed() < Duration::from_secs(10),
+                "the worker never settled"
+            );
+            tokio::time::sleep(Duration::from_millis(5)).await;
+        }
+        // One Save of half the pool (twice what the queue holds).
+        save(64, 32);
+        let dropped: u64 = ["dropped_queue_full", "dropped_pressure"]
+            .iter()
+            .map(|o| {
+                metrics
+                    .tier_demotions
+                    .with_label_values(&["test-gated", o])
+                    .get()
+            })
+            .sum();
+        assert_eq!(
+            dropped,
+            0,
+            "unwritten blocks left for the Save: {} bytes",
+            stack.index.unwritten_bytes()
+        );
+        stack.flush().await;
+        let stored = tier.stored.lock().clone();
+        for i in 0..96u8 {
+            assert!(
+                stack.index.contains(key(i).as_ref()) || stored.contains(&key(i)),
+                "block {i} was lost"
+            );
+        }
     }
 }

@@ -764,7 +764,7 @@ impl TierStack {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use std::sync::atomic::{AtomicUsize, Ordering};
 
     use async_trait::async_trait;
@@ -776,7 +776,7 @@ mod tests {
     use crate::plugin::{HostRegion, Recovered, TierCapabilities, TierError, TierGet, TierPut};
 
     /// A heap pool of `cap` bytes (footprint = length).
-    struct HeapPool {
+    pub(super) struct HeapPool {
         cap: u64,
         used: Arc<AtomicUsize>,
         mem: Arc<HeapMem>,
@@ -798,7 +798,7 @@ mod tests {
     }
 
     impl HeapPool {
-        fn new(cap: u64) -> Arc<Self> {
+        pub(super) fn new(cap: u64) -> Arc<Self> {
             let used = Arc::new(AtomicUsize::new(0));
             Arc::new(Self {
                 cap,
@@ -855,9 +855,9 @@ mod tests {
 
     /// A tier whose puts wait until `open` is notified (to fill the demotion queue) and
     /// record the keys they stored.
-    struct GatedTier {
-        open: tokio::sync::Semaphore,
-        stored: Mutex<Vec<BlockKey>>,
+    pub(super) struct GatedTier {
+        pub(super) open: tokio::sync::Semaphore,
+        pub(super) stored: Mutex<Vec<BlockKey>>,
     }
 
     impl Default for GatedTier {
@@ -911,7 +911,7 @@ mod tests {
         }
     }
 
-    fn key(i: u8) -> BlockKey {
+    pub(super) fn key(i: u8) -> BlockKey {
         BlockKey {
             namespace: "ns".into(),
             group: 0,
@@ -919,7 +919,7 @@ mod tests {
         }
     }
 
-    fn seal(stack: &TierStack, i: u8, len: usize) {
+    pub(super) fn seal(stack: &TierStack, i: u8, len: usize) {
         let buf = stack.allocate(&[len]).expect("allocates").pop().unwrap();
         let fp = buf.len() as u64;
         let shape = BlockShape::new(vec![len as u64]);
