@@ -1,8 +1,10 @@
 """The SSD tier (`tiers/ssd`, kind `ssd`) driven by the PUBLISHED client: blocks evicted
 from a small DRAM pool are written to an SSD directory, come back through QueryLoading ->
 QueryReady byte-exact (also after `kill -9` and a restart on the same directory), a second
-server cannot take the same directory, blocks of another slot layout are a miss, `/health`
-shows the tier, and membership queries never answer Loading.
+server cannot take the same directory (not even once the owner file is removed), blocks of
+another slot layout are a miss, `/health` shows the tier, membership queries never answer
+Loading, and a record whose payload was swapped with another's on disk (a misdirected write)
+is never served, live or after a restart.
 
 Layout (pftest.HostKv defaults): 4 layers x 16 blocks, 256-byte segments: 2 KiB per block.
 DRAM: 128 KiB = 64 blocks; the tests save 16 batches of 16 blocks (4x the pool), each batch
@@ -31,10 +33,13 @@ def ssd_args(path) -> list[str]:
     return ["--ssd-cache-path", str(path), "--ssd-cache-capacity", SSD_CAPACITY]
 
 
-def pipeline(ssd_path, admission: str | None = None, io: str | None = None, pool: str = POOL) -> str:
+def pipeline(ssd_path, admission: str | None = None, io: str | None = None, pool: str = POOL,
+             segment_size: str | None = None) -> str:
     adm = f'admission = "{admission}"\n' if admission else ""
     if io:
         adm += f'io = "{io}"\n'
+    if segment_size:
+        adm += f'segment_size = "{segment_size}"\n'
     return f"""
 [[tier]]
 kind = "dram"
@@ -407,3 +412,175 @@ def test_membership_queries_never_answer_loading(fresh_server, tmp_path, uid, ho
     assert isinstance(r, QueryReady) and r.num_hit_blocks == n, r
     client.release(r.lease)
     assert metric(server, "pegaflow_ssd_blocks_total", op="read") == reads_before + n
+
+
+def test_removing_the_owner_file_does_not_let_a_second_server_in(fresh_server, tmp_path):
+    """The owner lock is on the store directory itself: unlinking the files in it that name
+    the owner (`owner`; `lock` in earlier builds) leaves the second server refused."""
+    ssd = tmp_path / "ssd"
+    first = start_ssd_server(fresh_server, ssd)
+    for name in ("owner", "lock"):
+        (ssd / name).unlink(missing_ok=True)
+    second_dir = tmp_path / "second"
+    second_dir.mkdir()
+    args = [
+        str(pftest.server_binary()),
+        "--addr", f"127.0.0.1:{pftest.free_port()}",
+        "--http-addr", f"127.0.0.1:{pftest.free_port()}",
+        "--pool-size", POOL,
+        "--fd-socket-path", str(second_dir / "fd.sock"),
+        *ssd_args(ssd),
+    ]
+    p = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
+                         env=dict(os.environ, NO_COLOR="1"))
+    try:
+        _, err = p.communicate(timeout=20)
+    except subprocess.TimeoutExpired:
+        p.kill()
+        p.communicate()
+        pytest.fail("a second server started on a live SSD directory once its owner file was removed")
+    assert p.returncode == 1, (p.returncode, err[-2000:])
+    assert "in use by another process" in err, err[-2000:]
+    assert f"(pid {first.proc.pid})" in err, (first.proc.pid, err[-2000:])
+    assert first.alive()
+
+
+# -- records on disk ---------------------------------------------------------------------------
+
+RECORD_MAGIC = 0x50465243
+
+
+def ssd_records(ssd) -> dict[bytes, tuple]:
+    """Every record of every segment of the store at `ssd`, by block hash:
+    (segment file, offset, header bytes, payload bytes, record bytes). Parsed from the
+    on-disk format (docs/SSD.md §3): superblock (magic, version, alignment), segment header
+    (magic, store id, slot, generation), then records `header | payload | trailer` padded to
+    the alignment, walked until one is not of the segment's generation."""
+    import struct
+
+    sb = (ssd / "superblock").read_bytes()
+    align = struct.unpack_from("<I", sb, 12)[0]
+    out = {}
+    for seg in sorted(ssd.glob("segment-*.dat")):
+        b = seg.read_bytes()
+        if b[:8] != b"PFSSDSG\x01":
+            continue
+        gen = struct.unpack_from("<Q", b, 20)[0]
+        off = align
+        while off + 48 <= len(b):
+            magic, hlen, rgen, _seq, _group, ns_len, hash_len, slots, payload = struct.unpack_from(
+                "<IIQQIHHIQ", b, off)
+            if magic != RECORD_MAGIC or rgen != gen or hlen != 44 + ns_len + hash_len + 8 * slots + 4:
+                break
+            h = b[off + 44 + ns_len:off + 44 + ns_len + hash_len]
+            rec = -(-(hlen + payload + 8) // align) * align
+            out[h] = (seg, off, hlen, payload, rec)
+            off += rec
+    return out
+
+
+def swap_payloads(a: tuple, b: tuple) -> None:
+    """Swaps the payload and trailer of two records of the same size (a misdirected write
+    each way), on disk, synced."""
+    (fa, oa, ha, pa, _), (fb, ob, hb, pb, _) = a, b
+    assert pa == pb, (pa, pb)
+    n = pa + 8
+    with open(fa, "r+b") as x, open(fb, "r+b") as y:
+        x.seek(oa + ha)
+        da = x.read(n)
+        y.seek(ob + hb)
+        db = y.read(n)
+        x.seek(oa + ha)
+        x.write(db)
+        y.seek(ob + hb)
+        y.write(da)
+        x.flush()
+        y.flush()
+        os.fsync(x.fileno())
+        os.fsync(y.fileno())
+
+
+def swap_pairs(recs: dict, hs: list[bytes], pairs: int) -> list[bytes]:
+    """Swaps `pairs` pairs among `hs`: the first across two segments where there are two,
+    the rest neighbours. Returns the hashes whose payload is now another block's."""
+    by_seg: dict = {}
+    for h in hs:
+        by_seg.setdefault(recs[h][0], []).append(h)
+    segs = [v for v in by_seg.values() if v]
+    chosen = []
+    if len(segs) >= 2:
+        chosen.append((segs[0].pop(), segs[1].pop()))
+    rest = [h for v in segs for h in v]
+    while len(chosen) < pairs and len(rest) >= 2:
+        chosen.append((rest.pop(), rest.pop()))
+    for x, y in chosen:
+        swap_payloads(recs[x], recs[y])
+    return [h for pair in chosen for h in pair]
+
+
+def query_one(client, inst, kv, h, want):
+    """Queries block `h` alone (polling through Loading). A hit is loaded and must be
+    byte-exact; returns whether it was a hit."""
+    _, r, _ = poll_until_ready(client, inst, [h], f"req-{uuid.uuid4().hex[:8]}")
+    assert isinstance(r, QueryReady), r
+    if r.num_hit_blocks == 0:
+        return False
+    load_and_check(client, inst, kv, r.lease, [want], [0])  # the load consumes the lease
+    return True
+
+
+def test_a_payload_swapped_on_disk_is_never_served(fresh_server, tmp_path, uid, host_kv):
+    """Payloads and trailers swapped between records of the same size (within a segment and
+    across segments), as a misdirected write leaves them: every such block is a miss —
+    never Ready with the other block's bytes — live and after `kill -9` and a restart; the
+    refusals are counted; untouched blocks load exact."""
+    ssd = tmp_path / "ssd"
+    cfg = tmp_path / "pipeline.toml"
+    cfg.write_text(pipeline(ssd, admission="always", segment_size="256kb"))
+    s1 = fresh_server(pool_size=POOL, extra_args=["--config", str(cfg)])
+    client = EngineRpcClient(s1.endpoint)
+    kv = host_kv()
+    ns = "ns-" + uid
+    ok, msg = kv.register(s1, uid, ns)
+    assert ok is True, msg
+    batches = fill_through_ssd(s1, client, uid, kv)
+    evicted = BATCHES * kv.num_blocks - 64
+    pftest.wait_until(lambda: metric(s1, "pegaflow_ssd_blocks_total", op="write") >= evicted, timeout=20)
+    want = {h: w for hs, ws in batches for h, w in zip(hs, ws)}
+    recs = ssd_records(ssd)
+    # Batches 0-9 left DRAM long ago (it holds the last 4): their records are on the SSD.
+    assert all(h in recs for hs, _ in batches[:10] for h in hs), "evicted blocks are on the SSD"
+    assert len({recs[h][0] for hs, _ in batches[:10] for h in hs}) >= 2, "several segments"
+
+    # Live: 4 pairs swapped among batches 0-3, asked for one by one.
+    live = [h for hs, _ in batches[:4] for h in hs]
+    swapped = swap_pairs(recs, live, 4)
+    assert len(swapped) == 8
+    served = [h.hex() for h in swapped if query_one(client, uid, kv, h, want[h])]
+    assert not served, f"swapped blocks answered Ready: {served}"
+    assert metric(s1, "pegaflow_ssd_corrupt_records_total", why="checksum") >= len(swapped)
+    logged = s1.log_tail(2000).count("SSD record failed its checks")
+    assert 1 <= logged <= 2, f"{logged} WARN lines for {len(swapped)} refusals (at most one per 10 s)"
+    for h in batches[4][0][:4]:
+        assert query_one(client, uid, kv, h, want[h]), "an untouched block loads exact"
+
+    # kill -9, 4 more pairs swapped among batches 5-9, restart.
+    s1.proc.kill()
+    s1.proc.wait(timeout=10)
+    later = [h for hs, _ in batches[5:10] for h in hs]
+    swapped2 = swap_pairs(recs, later, 4)
+    s2 = fresh_server(pool_size=POOL, extra_args=["--config", str(cfg)])
+    client2 = EngineRpcClient(s2.endpoint)
+    kv2 = host_kv()
+    ok, msg = kv2.register(s2, uid + "-2", ns)
+    assert ok is True, msg
+    served = [h.hex() for h in swapped2 if query_one(client2, uid + "-2", kv2, h, want[h])]
+    assert not served, f"swapped blocks answered Ready after the restart: {served}"
+    refused = (metric(s2, "pegaflow_ssd_corrupt_records_total")
+               + metric(s2, "pegaflow_ssd_recovery_dropped_records"))
+    assert refused >= len(swapped2), refused
+    untouched = [h for h in later if h not in swapped2][:4]
+    for h in untouched:
+        assert query_one(client2, uid + "-2", kv2, h, want[h]), "an untouched block loads exact"
+    assert "SSD record failed its checks" in s2.log_tail(400) or \
+        metric(s2, "pegaflow_ssd_recovery_dropped_records") >= len(swapped2)
