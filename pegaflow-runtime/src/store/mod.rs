@@ -49,8 +49,9 @@ pub struct StoreConfig {
     #[serde(default = "default_demote_batch_blocks")]
     pub demote_batch_blocks: usize,
     /// Write-behind: once blocks that no lower tier holds yet fill more than this percentage
-    /// of the pool, the oldest of them are written below in the background (they stay in
-    /// DRAM), so that evicting them later frees memory at once. 0–100; default 75.
+    /// of the pool (or the demotion queue's bound, when smaller: see `store/demote.rs`), the
+    /// oldest of them are written below in the background (they stay in DRAM), so that
+    /// evicting them later frees memory at once. 0–100 (100: off); default 75.
     #[serde(default = "default_write_behind_percent")]
     pub write_behind_percent: u8,
     /// Evict-ahead: a background thread keeps free, ahead of the next Save, as many host bytes

@@ -2,19 +2,25 @@
 //! written to local NVMe as self-describing records in append-only segment files, survive a
 //! crash or restart of the server, and come back into DRAM when a query asks for them.
 //!
-//! - **On disk** ([`format`], [`dir`]): per directory an owner lock (a second server on the
-//!   same directory fails at start naming the holder's pid), a superblock, and segment files
-//!   preallocated with `fallocate`; each record has a checksummed header (namespace, hash,
-//!   slot layout, sequence number) and a checksummed payload; sealed segments end with a
-//!   summary of their headers. Alignment comes from the device (`statx`).
+//! - **On disk** ([`format`], [`dir`]): per directory an owner lock on the directory itself (a
+//!   second server on the same directory fails at start naming the holder's pid), a
+//!   superblock, and segment files preallocated with `fallocate`; each record has a
+//!   checksummed header (namespace, hash, slot layout, generation, sequence number) and a
+//!   trailer whose checksum covers the record's place, its header and its payload, so that a
+//!   payload in the wrong place never verifies (format version 2; version 1 is refused);
+//!   sealed segments end with a summary of their headers. Alignment comes from the device
+//!   (`statx`).
 //! - **I/O** ([`io`]): `tokio-uring` rings on dedicated threads with registered buffers, or
 //!   `pread`/`pwrite` threads when io_uring is refused (`io = "auto"` picks, logs once, and
 //!   shows the engine on `/health` and in `pegaflow_ssd_io_engine`).
 //! - **Restart** ([`store`]): the index is rebuilt from summaries, and from a verified scan
 //!   of the segments that were open at the crash; torn records are dropped.
-//! - **Capacity**: `min(capacity, free space − reserve)` per directory, checked at start;
-//!   whole segments are evicted (FIFO or by read heat); ENOSPC evicts and retries once; a
-//!   directory that keeps failing leaves service while the server keeps serving.
+//! - **Capacity**: `min(capacity, free space − reserve)` per directory at start (a WARN when
+//!   that cuts it), and a new segment file only while `statvfs` shows room above the reserve
+//!   (stores on one filesystem share it); whole segments are evicted (FIFO or by read heat);
+//!   ENOSPC evicts and retries once; failed writes are logged (rate-limited) and shown on
+//!   `/health`; an unreadable segment costs its own blocks; a directory that keeps failing
+//!   leaves service while the server keeps serving.
 //!
 //! PegaFlow's flags keep their names (`--ssd-cache-path`, `--ssd-cache-capacity`, ...): the
 //! factory declares them (reference: PegaFlow 0.25.1's SSD cache flags; its defects — files
@@ -78,7 +84,9 @@ pub struct SsdConfig {
     #[serde(default)]
     pub paths: Vec<PathBuf>,
     /// Bytes the tier may hold, over all paths (split evenly; each path gets at most its
-    /// free space minus `reserve`). `--ssd-cache-capacity`. Default `512gb`.
+    /// free space minus `reserve` at start, logged as a WARN when that cuts it, and creates a
+    /// new segment file only while the filesystem has room above `reserve`).
+    /// `--ssd-cache-capacity`. Default `512gb`.
     #[serde(default = "default_capacity", with = "pegaflow_runtime::config::size")]
     pub capacity: u64,
     /// Bytes per segment file (the unit of preallocation and eviction; smaller for small
@@ -134,7 +142,8 @@ pub struct SsdConfig {
     /// blocks survive a restart too. Default false.
     #[serde(default)]
     pub write_through: bool,
-    /// I/O errors in a row after which a directory leaves service. Default 8.
+    /// I/O errors in a row (ENOSPC not counted) after which a directory leaves service, and
+    /// failed writes in a row after which `/health` says it cannot write. Default 8.
     #[serde(default = "default_max_errors")]
     pub max_errors: u32,
 }
@@ -457,7 +466,7 @@ inventory::submit! {
                 PluginOption { name: "eviction", help: "fifo or heat (whole segments)" },
                 PluginOption { name: "admission", help: "second-sighting (default), always (default with write_through), never" },
                 PluginOption { name: "write_through", help: "write every sealed block at once (restart survival of DRAM-resident blocks)" },
-                PluginOption { name: "max_errors", help: "I/O errors in a row before a path leaves service" },
+                PluginOption { name: "max_errors", help: "I/O errors in a row before a path leaves service (failed writes in a row before /health says it cannot write)" },
             ],
         },
         flags: &[
@@ -472,7 +481,7 @@ inventory::submit! {
             FactoryFlag {
                 long: "ssd-cache-capacity",
                 value_name: "SIZE",
-                help: "SSD tier capacity over all paths, capped by free space minus a reserve. [default: 512gb]",
+                help: "SSD tier capacity over all paths, capped by free space minus a reserve (at start, with a WARN naming both figures, and at run time). [default: 512gb]",
                 setting: "capacity",
                 value: FlagValue::Size,
                 adds_entry: false,
