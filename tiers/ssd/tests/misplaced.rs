@@ -214,7 +214,7 @@ fn moves() -> impl Strategy<Value = Move> {
 }
 
 proptest! {
-    #![proptest_config(ProptestConfig { cases: 40, max_global_rejects: 400, ..ProptestConfig::default() })]
+    #![proptest_config(ProptestConfig { cases: 24, max_global_rejects: 400, ..ProptestConfig::default() })]
 
     /// Every move of bytes between records is refused; nothing else changes.
     #[test]

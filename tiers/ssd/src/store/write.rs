@@ -242,7 +242,9 @@ impl Inner {
                         // This tier's own accounting (statvfs): not an error, a smaller store.
                         self.no_room(d, &e);
                     } else {
-                        self.metrics.error("preallocate", &e);
+                        // Real ENOSPC: logged and counted; a write that then completes
+                        // (in the reused slot) clears the count.
+                        self.io_failed(d, "preallocate", &e, true);
                     }
                     let mut st = self.state.lock();
                     st.segs[d][slot as usize].state = SegState::Free;
@@ -255,7 +257,10 @@ impl Inner {
                         None => {
                             drop(st);
                             let path = self.dirs[d].path.display().to_string();
-                            self.io_failed(d, "preallocate", &e, true);
+                            if e.raw_os_error().is_none() {
+                                // (A real ENOSPC was counted above.)
+                                self.io_failed(d, "preallocate", &e, true);
+                            }
                             return Err(TierError::Full(format!(
                                 "SSD {path}: no space for a new segment and none to reuse: {e}"
                             )));
