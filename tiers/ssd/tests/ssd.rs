@@ -302,6 +302,7 @@ async fn sigkill_during_a_save_loop_loses_no_acknowledged_block() {
         let mut child = cmd.spawn().expect("spawn the save loop");
         let out = child.stdout.take().unwrap();
         let (ready_tx, ready_rx) = std::sync::mpsc::channel();
+        let (ack_tx, ack_rx) = std::sync::mpsc::channel();
         let reader = std::thread::spawn(move || {
             let mut acked = Vec::new();
             let mut tried: Option<u64> = None;
@@ -313,6 +314,7 @@ async fn sigkill_during_a_save_loop_loses_no_acknowledged_block() {
                     done = true;
                 } else if let Some(v) = l.strip_prefix("acked ") {
                     acked.push(v.parse::<u64>().unwrap());
+                    let _ = ack_tx.send(());
                 } else if let Some(v) = l.strip_prefix("trying ") {
                     tried = Some(v.parse().unwrap());
                 }
@@ -322,8 +324,16 @@ async fn sigkill_during_a_save_loop_loses_no_acknowledged_block() {
         ready_rx
             .recv_timeout(Duration::from_secs(30))
             .expect("the save loop started");
-        // Kill at a seeded random point of the loop.
-        std::thread::sleep(Duration::from_millis(rng.range(0, 60) as u64));
+        // Kill at a seeded random point of the loop: after a seeded number of acknowledged
+        // blocks (not a fixed time, so that a slow or loaded machine still kills mid-loop
+        // with work done), then up to 3 ms more, which lands inside a put most of the time.
+        let kill_after = rng.range(6, 41);
+        for n in 0..kill_after {
+            ack_rx
+                .recv_timeout(Duration::from_secs(60))
+                .unwrap_or_else(|_| panic!("run {iter}: only {n} blocks acknowledged in 60 s"));
+        }
+        std::thread::sleep(Duration::from_millis(rng.range(0, 4) as u64));
         nix::sys::signal::kill(
             nix::unistd::Pid::from_raw(child.id() as i32),
             nix::sys::signal::Signal::SIGKILL,
