@@ -1,0 +1,638 @@
+//! The fd side channel: a Unix stream socket on which native clients hand the server one
+//! descriptor per registration (a CUDA VMM export or a host memfd), keyed by
+//! `instance_id \0 device_id` (`native-clients.md` §1.4 and §3.2).
+//!
+//! Protocol: one connection carries one `sendmsg` whose payload is the ASCII instance id, one
+//! NUL, then the device id in decimal (trailing NULs are ignored), with exactly one descriptor
+//! as `SCM_RIGHTS`. Native registration v2 (several allocations per registration) appends one
+//! more NUL and the allocation's index in decimal: `instance_id \0 device_id \0 index`, so
+//! every descriptor of a registration has its own key, none equal to a v1 key or to another
+//! registration's (instance ids are fresh per registration attempt). A v1 message is never
+//! answered. A v2 message is acknowledged: after filing (or refusing) its descriptor the
+//! server writes one byte back ([`ACK_FILED`], [`ACK_DUPLICATE`], [`ACK_CAPACITY`]) before it
+//! closes the connection, so a v2 client learns at once whether its descriptor is waiting and
+//! bounds its own connections; a connection closed without that byte (over the connection
+//! cap, malformed, or a server without v2) filed nothing. A rejected message is logged,
+//! counted in [`FdChannelStats`] and its descriptors are closed. A registration later
+//! collects the descriptor with [`FdChannel::take`] (v2: [`FdChannel::take_allocation`]).
+//!
+//! Bounds (DESIGN.md §6.4): at most [`FdChannelLimits::max_connections`] connections are
+//! served at once (others are closed on arrival), a connection that stays silent for
+//! [`FdChannelLimits::receive_timeout`] is closed, at most [`FdChannelLimits::max_pending`]
+//! descriptors wait to be taken, and each waits at most [`FdChannelLimits::pending_ttl`].
+//! Every descriptor the kernel hands us is owned ([`OwnedFd`]) from the moment `recvmsg`
+//! returns, so whatever path a message takes, surplus or rejected descriptors are closed.
+//!
+//! Submodules: [`socket`] owns the socket file (creating its directory, binding, replacing a
+//! stale socket, removing it on drop); [`message`] owns the wire format of one message.
+
+mod message;
+mod socket;
+#[cfg(test)]
+mod tests;
+
+use std::collections::HashMap;
+use std::io;
+use std::os::fd::OwnedFd;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Weak};
+use std::time::{Duration, Instant};
+
+use parking_lot::Mutex;
+use tokio::net::{UnixListener, UnixStream};
+use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tracing::{debug, info, warn};
+
+use message::receive_message;
+pub use message::MalformedMessage;
+use socket::{bind_socket, create_parent, remove_socket_if_ours, FileIdentity};
+
+/// Largest accepted payload (`instance_id \0 device_id`), in bytes (PegaFlow's
+/// `MAX_KEY_PAYLOAD`). A longer payload is rejected.
+pub const MAX_KEY_PAYLOAD: usize = 256;
+
+/// Descriptors the control buffer has room for in one message (PegaFlow's
+/// `MAX_RECEIVED_FDS`). All of them are taken and closed when a message carries more than one;
+/// beyond this the kernel truncates the control data (`MSG_CTRUNC`) and the message is rejected.
+pub const MAX_RECEIVED_FDS: usize = 16;
+
+/// Acknowledgement of a v2 message: its descriptor is filed and waits to be taken.
+pub const ACK_FILED: u8 = 0;
+/// Acknowledgement of a v2 message: a descriptor is already pending under its key; the new
+/// one was closed.
+pub const ACK_DUPLICATE: u8 = 1;
+/// Acknowledgement of a v2 message: `max_pending` descriptors are pending; it was closed.
+pub const ACK_CAPACITY: u8 = 2;
+/// Pause after a failed `accept` (e.g. `EMFILE`), so a persistent error does not spin.
+const ACCEPT_ERROR_PAUSE: Duration = Duration::from_millis(50);
+/// Bounds of the side channel.
+#[derive(Debug, Clone)]
+pub struct FdChannelLimits {
+    /// Concurrent connection handlers (PegaFlow: 64). Must be at least 1.
+    pub max_connections: usize,
+    /// Descriptors received but not yet taken (PegaFlow: 1024). Must be at least 1.
+    pub max_pending: usize,
+    /// How long an untaken descriptor is kept (PegaFlow: 60 s). Must be > 0.
+    pub pending_ttl: Duration,
+    /// How long a connection may stay silent before it is closed (PegaFlow: 5 s). Must be > 0.
+    pub receive_timeout: Duration,
+}
+
+impl Default for FdChannelLimits {
+    fn default() -> Self {
+        Self {
+            max_connections: 64,
+            max_pending: 1024,
+            pending_ttl: Duration::from_secs(60),
+            receive_timeout: Duration::from_secs(5),
+        }
+    }
+}
+
+impl FdChannelLimits {
+    fn validate(&self) -> io::Result<()> {
+        let bad = |what: &str| {
+            Err(io::Error::new(
+                io::ErrorKind::InvalidInput,
+                format!("fd side channel: {what}"),
+            ))
+        };
+        if self.max_connections == 0 {
+            return bad("max_connections must be at least 1");
+        }
+        if self.max_pending == 0 {
+            return bad("max_pending must be at least 1");
+        }
+        if self.pending_ttl.is_zero() {
+            return bad("pending_ttl must be > 0");
+        }
+        if self.receive_timeout.is_zero() {
+            return bad("receive_timeout must be > 0");
+        }
+        Ok(())
+    }
+}
+
+/// A snapshot of the side channel's counters (monotonic since bind unless noted).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct FdChannelStats {
+    /// Descriptors received in a well-formed message and stored until taken.
+    pub accepted: u64,
+    /// Descriptors handed out by [`FdChannel::take`].
+    pub delivered: u64,
+    /// Messages rejected as malformed (bad payload, wrong descriptor count, truncated or
+    /// foreign control data); their descriptors were closed.
+    pub rejected_malformed: u64,
+    /// Descriptors rejected because one was already pending under the same key (the first
+    /// one wins).
+    pub rejected_duplicate: u64,
+    /// Descriptors rejected because `max_pending` descriptors were already pending.
+    pub rejected_capacity: u64,
+    /// Connections closed without a message: over the `max_connections` cap, silent past the
+    /// receive timeout, closed by the sender before sending, or failed with an I/O error.
+    pub connections_dropped: u64,
+    /// Descriptors closed because nobody took them within the pending TTL.
+    pub expired: u64,
+    /// Pending descriptors closed by [`FdChannel::discard`].
+    pub discarded: u64,
+    /// Descriptors waiting to be taken now (a gauge).
+    pub pending: u64,
+    /// Connections being served now (a gauge).
+    pub connections_open: u64,
+}
+
+#[derive(Debug, Default)]
+struct Counters {
+    accepted: AtomicU64,
+    delivered: AtomicU64,
+    rejected_malformed: AtomicU64,
+    rejected_duplicate: AtomicU64,
+    rejected_capacity: AtomicU64,
+    connections_dropped: AtomicU64,
+    expired: AtomicU64,
+    discarded: AtomicU64,
+    pending: AtomicU64,
+    connections_open: AtomicU64,
+}
+
+fn bump(c: &AtomicU64) {
+    c.fetch_add(1, Ordering::Relaxed);
+}
+
+/// The key a descriptor is filed under: (instance id, device id, allocation index of a v2
+/// message; `None` for a v1 message).
+type Key = (String, i32, Option<u32>);
+
+#[derive(Debug)]
+struct PendingFd {
+    fd: OwnedFd,
+    arrived: Instant,
+}
+
+/// State shared by the channel handle and its tasks; the tasks hold it weakly.
+#[derive(Debug)]
+struct Shared {
+    limits: FdChannelLimits,
+    pending: Mutex<HashMap<Key, PendingFd>>,
+    arrived: Notify,
+    counters: Counters,
+}
+
+impl Shared {
+    /// Removes entries older than the TTL from `map`; returns them so the caller closes them
+    /// after releasing the lock.
+    fn purge_locked(
+        &self,
+        map: &mut HashMap<Key, PendingFd>,
+        now: Instant,
+    ) -> Vec<(Key, PendingFd)> {
+        let ttl = self.limits.pending_ttl;
+        let expired: Vec<Key> = map
+            .iter()
+            .filter(|(_, p)| now.saturating_duration_since(p.arrived) >= ttl)
+            .map(|(k, _)| k.clone())
+            .collect();
+        let out: Vec<(Key, PendingFd)> = expired
+            .into_iter()
+            .filter_map(|k| map.remove_entry(&k))
+            .collect();
+        if !out.is_empty() {
+            self.counters
+                .expired
+                .fetch_add(out.len() as u64, Ordering::Relaxed);
+            self.counters
+                .pending
+                .store(map.len() as u64, Ordering::Relaxed);
+        }
+        out
+    }
+
+    fn log_expired(&self, expired: Vec<(Key, PendingFd)>) {
+        for ((instance_id, device_id, _), _) in &expired {
+            warn!(
+                instance_id = %instance_id,
+                device_id,
+                ttl_secs = self.limits.pending_ttl.as_secs_f64(),
+                "fd side channel: closing a descriptor nobody took within the pending TTL"
+            );
+        }
+        // Dropping closes the descriptors, outside the lock.
+        drop(expired);
+    }
+
+    /// Closes every descriptor older than the TTL.
+    fn purge_expired(&self) {
+        let expired = {
+            let mut map = self.pending.lock();
+            self.purge_locked(&mut map, Instant::now())
+        };
+        self.log_expired(expired);
+    }
+
+    /// Purges expired entries, then removes and returns the descriptor under `key`.
+    fn remove(&self, key: &Key) -> Option<OwnedFd> {
+        let (expired, found) = {
+            let mut map = self.pending.lock();
+            let expired = self.purge_locked(&mut map, Instant::now());
+            let found = map.remove(key);
+            self.counters
+                .pending
+                .store(map.len() as u64, Ordering::Relaxed);
+            (expired, found)
+        };
+        self.log_expired(expired);
+        found.map(|p| {
+            bump(&self.counters.delivered);
+            p.fd
+        })
+    }
+
+    /// Files a well-formed message's descriptor, or rejects it (closing it); returns the
+    /// acknowledgement byte of the outcome.
+    fn insert(&self, key: Key, fd: OwnedFd) -> u8 {
+        let now = Instant::now();
+        let (expired, outcome) = {
+            let mut map = self.pending.lock();
+            let expired = self.purge_locked(&mut map, now);
+            let outcome = if map.len() >= self.limits.max_pending {
+                Err(fd)
+            } else if map.contains_key(&key) {
+                Ok(Some(fd))
+            } else {
+                map.insert(key.clone(), PendingFd { fd, arrived: now });
+                self.counters
+                    .pending
+                    .store(map.len() as u64, Ordering::Relaxed);
+                Ok(None)
+            };
+            (expired, outcome)
+        };
+        self.log_expired(expired);
+        let (instance_id, device_id, index) = key;
+        match outcome {
+            Ok(None) => {
+                bump(&self.counters.accepted);
+                debug!(instance_id = %instance_id, device_id, ?index, "fd side channel: descriptor received");
+                self.arrived.notify_waiters();
+                ACK_FILED
+            }
+            Ok(Some(duplicate)) => {
+                drop(duplicate);
+                bump(&self.counters.rejected_duplicate);
+                warn!(
+                    instance_id = %instance_id,
+                    device_id,
+                    "fd side channel: a descriptor is already pending for this key; closing the new one"
+                );
+                ACK_DUPLICATE
+            }
+            Err(surplus) => {
+                drop(surplus);
+                bump(&self.counters.rejected_capacity);
+                warn!(
+                    instance_id = %instance_id,
+                    device_id,
+                    max_pending = self.limits.max_pending,
+                    "fd side channel: too many descriptors pending; closing the new one"
+                );
+                ACK_CAPACITY
+            }
+        }
+    }
+
+    fn stats(&self) -> FdChannelStats {
+        let c = &self.counters;
+        let get = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        FdChannelStats {
+            accepted: get(&c.accepted),
+            delivered: get(&c.delivered),
+            rejected_malformed: get(&c.rejected_malformed),
+            rejected_duplicate: get(&c.rejected_duplicate),
+            rejected_capacity: get(&c.rejected_capacity),
+            connections_dropped: get(&c.connections_dropped),
+            expired: get(&c.expired),
+            discarded: get(&c.discarded),
+            pending: get(&c.pending),
+            connections_open: get(&c.connections_open),
+        }
+    }
+}
+/// The side channel. Shared as `Arc<FdChannel>`; when the last handle drops, the accept loop
+/// and every pending receive stop, untaken descriptors are closed, and the socket file is
+/// removed if it is still the one this channel created.
+pub struct FdChannel {
+    path: PathBuf,
+    identity: FileIdentity,
+    shared: Arc<Shared>,
+    shutdown: watch::Sender<bool>,
+    accept_task: tokio::task::JoinHandle<()>,
+}
+
+impl std::fmt::Debug for FdChannel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("FdChannel")
+            .field("path", &self.path)
+            .field("stats", &self.stats())
+            .finish()
+    }
+}
+
+impl FdChannel {
+    /// Binds the socket at `path` (mode 0600) and starts accepting. Must be called inside a
+    /// tokio runtime.
+    ///
+    /// When something already exists at `path`: a file that is not a socket is left alone and
+    /// the bind fails (`AlreadyExists`); a socket with a live listener is left alone and the
+    /// bind fails (`AddrInUse`); a stale socket (connecting is refused) is removed and
+    /// replaced, provided it is still the same file (device, inode) after the probe.
+    ///
+    /// Errors: invalid `limits` (`InvalidInput`), a path too long for a Unix socket address,
+    /// and any error of `socket`, `bind`, `listen` or the stale-socket probe, with the path in
+    /// the message.
+    pub async fn bind(path: &Path, limits: FdChannelLimits) -> io::Result<Arc<Self>> {
+        limits.validate()?;
+        create_parent(path)?;
+        // Every call below returns without waiting (the probe connects non-blocking), so it
+        // runs inline rather than on a blocking thread.
+        let (sock, identity) = bind_socket(path)?;
+        let listener = std::os::unix::net::UnixListener::from(sock);
+        let listener = match UnixListener::from_std(listener) {
+            Ok(l) => l,
+            Err(e) => {
+                remove_socket_if_ours(path, identity);
+                return Err(e);
+            }
+        };
+        let shared = Arc::new(Shared {
+            limits: limits.clone(),
+            pending: Mutex::new(HashMap::new()),
+            arrived: Notify::new(),
+            counters: Counters::default(),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let accept_task = tokio::spawn(accept_loop(
+            listener,
+            Arc::downgrade(&shared),
+            limits,
+            shutdown_rx,
+        ));
+        info!(path = %path.display(), "fd side channel listening");
+        Ok(Arc::new(Self {
+            path: path.to_path_buf(),
+            identity,
+            shared,
+            shutdown,
+            accept_task,
+        }))
+    }
+
+    /// The socket path.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// Takes the descriptor sent for `(instance_id, device_id)`, waiting up to `timeout` for
+    /// it to arrive. `None` (with a warning in the log) when none arrived in time. Expired
+    /// descriptors are closed first, so a descriptor older than the pending TTL is never
+    /// returned.
+    pub async fn take(
+        &self,
+        instance_id: &str,
+        device_id: i32,
+        timeout: Duration,
+    ) -> Option<OwnedFd> {
+        let start = tokio::time::Instant::now();
+        let deadline = start
+            .checked_add(timeout)
+            .unwrap_or_else(|| start + Duration::from_secs(365 * 24 * 3600));
+        self.take_key((instance_id.to_owned(), device_id, None), deadline)
+            .await
+    }
+
+    /// Takes the descriptor of allocation `index` of a native registration v2 of
+    /// `(instance_id, device_id)` (sent with the payload `instance_id \0 device_id \0 index`),
+    /// waiting until `deadline`. `None` (with a warning) when none arrived in time; expired
+    /// descriptors are never returned.
+    pub async fn take_allocation(
+        &self,
+        instance_id: &str,
+        device_id: i32,
+        index: u32,
+        deadline: tokio::time::Instant,
+    ) -> Option<OwnedFd> {
+        self.take_key((instance_id.to_owned(), device_id, Some(index)), deadline)
+            .await
+    }
+
+    async fn take_key(&self, key: Key, deadline: tokio::time::Instant) -> Option<OwnedFd> {
+        let (instance_id, device_id) = (key.0.as_str(), key.1);
+        loop {
+            // Register for the wake-up before looking, so an arrival between the look and
+            // the wait is not missed.
+            let notified = self.shared.arrived.notified();
+            tokio::pin!(notified);
+            notified.as_mut().enable();
+            if let Some(fd) = self.shared.remove(&key) {
+                return Some(fd);
+            }
+            if tokio::time::timeout_at(deadline, notified).await.is_err() {
+                if let Some(fd) = self.shared.remove(&key) {
+                    return Some(fd);
+                }
+                warn!(
+                    instance_id = %instance_id,
+                    device_id,
+                    allocation_index = ?key.2,
+                    path = %self.path.display(),
+                    "fd side channel: no descriptor arrived for this key in time"
+                );
+                return None;
+            }
+        }
+    }
+
+    /// Closes every descriptor pending for `(instance_id, device_id)` (the v1 one and those of
+    /// every allocation index of a v2 registration), without waiting; returns whether there
+    /// was one. A registration that fails calls this so that no descriptor of it outlives
+    /// the failure and the client can resend under the same key at once (the first pending
+    /// descriptor would otherwise block a resend until it expires).
+    pub fn discard(&self, instance_id: &str, device_id: i32) -> bool {
+        let removed: Vec<PendingFd> = {
+            let mut map = self.shared.pending.lock();
+            let keys: Vec<Key> = map
+                .keys()
+                .filter(|k| k.0 == instance_id && k.1 == device_id)
+                .cloned()
+                .collect();
+            let removed = keys.iter().filter_map(|k| map.remove(k)).collect();
+            self.shared
+                .counters
+                .pending
+                .store(map.len() as u64, Ordering::Relaxed);
+            removed
+        };
+        let n = removed.len();
+        // Dropping closes the descriptors, outside the lock.
+        drop(removed);
+        if n == 0 {
+            return false;
+        }
+        self.shared
+            .counters
+            .discarded
+            .fetch_add(n as u64, Ordering::Relaxed);
+        debug!(instance_id = %instance_id, device_id, count = n, "fd side channel: pending descriptors discarded");
+        true
+    }
+
+    /// Descriptors received and not yet taken.
+    pub fn pending(&self) -> usize {
+        self.shared.pending.lock().len()
+    }
+
+    /// A snapshot of the channel's counters.
+    pub fn stats(&self) -> FdChannelStats {
+        self.shared.stats()
+    }
+}
+
+impl Drop for FdChannel {
+    fn drop(&mut self) {
+        // Wakes every connection handler (they stop without touching the map) and the accept
+        // loop; aborting the loop also releases the listening socket promptly.
+        self.shutdown.send_replace(true);
+        self.accept_task.abort();
+        remove_socket_if_ours(&self.path, self.identity);
+        // The pending descriptors close when `shared` drops (the tasks hold it weakly).
+    }
+}
+/// Resolves once the channel is shutting down (the flag is set or the handle is gone).
+async fn stopped(shutdown: &mut watch::Receiver<bool>) {
+    let _ = shutdown.wait_for(|&stop| stop).await;
+}
+
+fn sweep_period(ttl: Duration) -> Duration {
+    (ttl / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
+}
+
+async fn accept_loop(
+    listener: UnixListener,
+    shared: Weak<Shared>,
+    limits: FdChannelLimits,
+    mut shutdown: watch::Receiver<bool>,
+) {
+    let slots = Arc::new(Semaphore::new(limits.max_connections));
+    let handler_shutdown = shutdown.clone();
+    let mut sweep = tokio::time::interval(sweep_period(limits.pending_ttl));
+    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = stopped(&mut shutdown) => break,
+            _ = sweep.tick() => {
+                let Some(s) = shared.upgrade() else { break };
+                s.purge_expired();
+            }
+            accepted = listener.accept() => match accepted {
+                Ok((stream, _)) => {
+                    let Some(s) = shared.upgrade() else { break };
+                    match Arc::clone(&slots).try_acquire_owned() {
+                        Ok(permit) => {
+                            s.counters.connections_open.fetch_add(1, Ordering::Relaxed);
+                            tokio::spawn(handle_connection(
+                                stream,
+                                Arc::downgrade(&s),
+                                limits.receive_timeout,
+                                handler_shutdown.clone(),
+                                permit,
+                            ));
+                        }
+                        Err(_) => {
+                            drop(stream);
+                            bump(&s.counters.connections_dropped);
+                            warn!(
+                                max_connections = limits.max_connections,
+                                "fd side channel: all connection slots busy; closing a new connection"
+                            );
+                        }
+                    }
+                }
+                Err(e) => {
+                    warn!(error = %e, "fd side channel: accept failed");
+                    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
+                }
+            },
+        }
+    }
+    debug!("fd side channel: accept loop stopped");
+}
+
+/// Decrements the open-connection gauge when a handler ends, however it ends.
+struct OpenConnection {
+    shared: Weak<Shared>,
+    _permit: OwnedSemaphorePermit,
+}
+
+impl Drop for OpenConnection {
+    fn drop(&mut self) {
+        if let Some(s) = self.shared.upgrade() {
+            s.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
+        }
+    }
+}
+
+async fn handle_connection(
+    stream: UnixStream,
+    shared: Weak<Shared>,
+    receive_timeout: Duration,
+    mut shutdown: watch::Receiver<bool>,
+    permit: OwnedSemaphorePermit,
+) {
+    let _open = OpenConnection {
+        shared: shared.clone(),
+        _permit: permit,
+    };
+    // Declared after the gauge's guard, so dropped before it: the gauge counts a connection
+    // until its socket is closed.
+    let stream = stream;
+    let outcome = tokio::select! {
+        // The channel is closing: drop the connection without touching the map.
+        _ = stopped(&mut shutdown) => return,
+        r = tokio::time::timeout(receive_timeout, receive_message(&stream)) => r,
+    };
+    let Some(shared) = shared.upgrade() else {
+        return;
+    };
+    match outcome {
+        Err(_) => {
+            bump(&shared.counters.connections_dropped);
+            warn!(
+                timeout_secs = receive_timeout.as_secs_f64(),
+                "fd side channel: connection sent nothing in time; closed"
+            );
+        }
+        Ok(Err(e)) => {
+            bump(&shared.counters.connections_dropped);
+            warn!(error = %e, "fd side channel: receiving a message failed; connection closed");
+        }
+        Ok(Ok(msg)) if msg.is_empty() => {
+            bump(&shared.counters.connections_dropped);
+            debug!("fd side channel: sender closed the connection without a message");
+        }
+        Ok(Ok(msg)) => match msg.into_key() {
+            Ok((key, fd)) => {
+                let v2 = key.2.is_some();
+                let ack = shared.insert(key, fd);
+                if v2 {
+                    // The socket's send buffer is empty: one byte never blocks. A sender that
+                    // left already just misses it.
+                    let _ = stream.try_write(&[ack]);
+                }
+            }
+            Err(reason) => {
+                bump(&shared.counters.rejected_malformed);
+                warn!(%reason, "fd side channel: rejected a message; its descriptors were closed");
+            }
+        },
+    }
+}
