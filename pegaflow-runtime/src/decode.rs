@@ -155,18 +155,20 @@ pub fn accepts_client_version(v: &str) -> bool {
 pub struct RegisterRejected {
     /// Why.
     pub error: EngineError,
-    /// For a request that looks native: the side-channel key (instance id, device id) whose
-    /// pending descriptor should be discarded, so the client can resend at once.
+    /// The side-channel key (instance id, device id) whose descriptors should be discarded,
+    /// so the client can resend at once: every refused request's, native-looking or not (a
+    /// native client whose request lost its native fields still sent a descriptor first);
+    /// `None` for an id no side-channel message can carry.
     pub pending_fd: Option<(String, i32)>,
 }
 
 /// Decodes a RegisterContextBatch request.
 pub fn register(req: pb::RegisterContextRequest) -> Result<RegisterCommand, RegisterRejected> {
-    let looks_native = looks_native(&req);
-    let key = (req.instance_id.clone(), req.device_id);
+    let key =
+        is_side_channel_safe_id(&req.instance_id).then(|| (req.instance_id.clone(), req.device_id));
     register_checked(req).map_err(|error| RegisterRejected {
         error,
-        pending_fd: looks_native.then_some(key),
+        pending_fd: key,
     })
 }
 

@@ -220,10 +220,14 @@ def test_load_without_leases_succeeds_at_once(client, native):
     assert wait_load(st) == 1
 
 
-def test_load_with_unattachable_load_state_is_internal(client, native):
+def test_load_with_a_missing_load_state_is_not_internal(client, native):
+    # PegaFlow answers INTERNAL; here a missing object is FAILED_PRECONDITION (PegaFlowError)
+    # and nothing is consumed.
     inst, kv = native
-    with pytest.raises(PegaflowInternal):
+    with pytest.raises(PegaFlowError) as ei:
         client.load(inst, 0, 0, "shm-x", [kv.layer_names], [(os.urandom(16), [[1]])])
+    assert not isinstance(ei.value, PegaflowInternal), ei.value
+    assert "does not exist" in str(ei.value), ei.value
 
 
 def test_save_validation_on_a_registered_instance(client, native):

@@ -205,10 +205,12 @@ def test_load_unknown_instance_fails_and_marks_the_load_state(client, uid):
     assert st.is_ready()
 
 
-def test_load_with_unattachable_load_state_is_internal(client, uid):
-    with pytest.raises(PegaflowInternal) as ei:
+def test_load_with_a_missing_load_state_is_a_precondition_failure(client, uid):
+    # PegaFlow answers INTERNAL here; a load-state object the client never created is the
+    # client's mistake: FAILED_PRECONDITION (a plain PegaFlowError), not PegaflowInternal.
+    with pytest.raises(PegaFlowError) as ei:
         client.load(uid, 0, 0, "pega_load_does_not_exist", [["layer.0"]], [(os.urandom(16), [[1]])])
-    assert "load RPC failed" in str(ei.value)
+    assert_plain_pegaflow_error(ei, "load RPC failed", "does not exist")
 
 
 # -- Session ----------------------------------------------------------------------------------

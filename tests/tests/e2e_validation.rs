@@ -187,6 +187,116 @@ async fn native_layouts_out_of_bounds_are_refused() {
     assert!(e.to_string().contains("already"), "{e}");
 }
 
+/// Every refused registration closes the descriptor its client sent on the side channel at
+/// once (issue 41), whatever the reason: refusals decided while decoding (answered before the
+/// server has read the descriptor the client sent just before: without the fix about half of
+/// them stayed pending for the 60 s TTL) and refusals by the instance's state (without the fix,
+/// all of them stayed). The gauge `pegaflow_fd_channel_pending` ends at 0 and a correct
+/// registration under a refused key succeeds at once (no duplicate).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn refused_registrations_close_their_descriptors() {
+    let srv = TestServer::start(ServerOptions::default()).await;
+    let ch = srv.handle.fd_channel.clone().unwrap();
+    let kv = KvCache::new(SHAPE);
+    let mut c = srv.client().await;
+    type Mutate = fn(&mut pb::RegisterContextRequest);
+    let decode_refusals: [(&str, Mutate); 4] = [
+        ("duplicate layer name", |r| {
+            r.layer_names[1] = r.layer_names[0].clone()
+        }),
+        ("bad version", |r| r.client_version = "0.24.0".into()),
+        ("both payload kinds", |r| {
+            r.wrapper_bytes = vec![b"W".to_vec(); r.layer_names.len()]
+        }),
+        ("native fields dropped", |r| {
+            r.memory_kind = 0;
+            r.native_kv_tensors.clear();
+            r.native_alloc_size = 0;
+        }),
+    ];
+    let mut refused = 0;
+    for round in 0..25 {
+        for (what, mutate) in &decode_refusals {
+            let id = format!("dec-{round}-{}", what.replace(' ', "-"));
+            let mut req = kv
+                .registration(&id, "ns", 0, 1, 0)
+                .to_request(pb::MemoryKind::HostMemfd, kv.mem.len() as u64);
+            mutate(&mut req);
+            pegaflow_api::fd::send_fd(&srv.socket, &id, 0, kv.mem.fd()).unwrap();
+            let e = c.register(req).await.unwrap_err();
+            assert!(
+                matches!(
+                    e.code(),
+                    Some(Code::InvalidArgument | Code::FailedPrecondition)
+                ),
+                "{what}: {e}"
+            );
+            refused += 1;
+        }
+    }
+    // Refusals by the instance's state: the device already registered, another topology,
+    // another namespace, an instance already complete.
+    let good = kv.registration("st", "ns", 0, 1, 0);
+    c.register_host_memfd(&srv.socket, &good, &kv.mem)
+        .await
+        .unwrap();
+    let state_refusals = [
+        ("device already registered", good.clone(), "already exists"),
+        (
+            "topology mismatch",
+            kv.registration("st", "ns", 0, 2, 1),
+            "topology mismatch",
+        ),
+        (
+            "namespace mismatch",
+            kv.registration("st", "other", 0, 1, 1),
+            "namespace",
+        ),
+        (
+            "instance complete",
+            kv.registration("st", "ns", 0, 1, 1),
+            "fully registered",
+        ),
+    ];
+    for (what, reg, needle) in state_refusals {
+        let e = c
+            .register_host_memfd(&srv.socket, &reg, &kv.mem)
+            .await
+            .unwrap_err();
+        assert_eq!(e.code(), Some(Code::FailedPrecondition), "{what}: {e}");
+        assert!(e.to_string().contains(needle), "{what}: {e}");
+        refused += 1;
+    }
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(5);
+    while ch.stats().discarded < refused {
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{refused} refusals, {:?}",
+            ch.stats()
+        );
+        tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+    }
+    let s = ch.stats();
+    assert_eq!((s.pending, s.discarded), (0, refused), "{s:?}");
+    assert_eq!(ch.pending(), 0);
+    let (_, metrics) = http(srv.handle.http_addr, "GET", "/metrics").await;
+    assert!(
+        metrics
+            .lines()
+            .any(|l| l == "pegaflow_fd_channel_pending 0"),
+        "{metrics}"
+    );
+    // A refused key is free at once: the corrected registration succeeds.
+    c.register_host_memfd(
+        &srv.socket,
+        &kv.registration("dec-0-bad-version", "ns", 0, 1, 0),
+        &kv.mem,
+    )
+    .await
+    .unwrap();
+    assert_eq!(ch.stats().rejected_duplicate, 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bad_saves_and_loads_change_nothing() {
     let srv = TestServer::start(ServerOptions::default()).await;
@@ -395,16 +505,39 @@ async fn bad_saves_and_loads_change_nothing() {
             "block {b} untouched by rejected loads"
         );
     }
-    // A missing load state is INTERNAL and nothing is consumed: the lease still loads.
-    let mut bad = load(
-        &LoadState::create().unwrap(),
-        lease.clone(),
-        some(&[0, 1, 2, 3]),
-        names.clone(),
-    );
-    bad.load_state_shm = "pega_load_missing".into();
-    let e = w.client.raw().load(bad).await.unwrap_err();
-    assert_eq!(e.code(), Code::Internal, "{e:?}");
+    // A load state that is missing, or is no load-state object, is the client's mistake
+    // (FAILED_PRECONDITION, INVALID_ARGUMENT; never INTERNAL), and nothing is consumed: the
+    // lease still loads after both.
+    let short = format!("pega_load_short_{}", std::process::id());
+    std::fs::write(format!("/dev/shm/{short}"), [0u8; 4]).unwrap();
+    let zeroed = format!("pega_load_zeroed_{}", std::process::id());
+    std::fs::write(format!("/dev/shm/{zeroed}"), [0u8; 32]).unwrap();
+    for (name, code, needle) in [
+        (
+            "pega_load_missing",
+            Code::FailedPrecondition,
+            "does not exist",
+        ),
+        (
+            short.as_str(),
+            Code::InvalidArgument,
+            "expected at least 32",
+        ),
+        (zeroed.as_str(), Code::InvalidArgument, "invalid offset"),
+    ] {
+        let mut bad = load(
+            &LoadState::create().unwrap(),
+            lease.clone(),
+            some(&[0, 1, 2, 3]),
+            names.clone(),
+        );
+        bad.load_state_shm = name.into();
+        let e = w.client.raw().load(bad).await.unwrap_err();
+        assert_eq!(e.code(), code, "{name}: {e:?}");
+        assert!(e.message().contains(needle), "{name}: {e:?}");
+    }
+    let _ = std::fs::remove_file(format!("/dev/shm/{short}"));
+    let _ = std::fs::remove_file(format!("/dev/shm/{zeroed}"));
     // Absent targets are skipped and differ from block 0.
     let state = LoadState::create().unwrap();
     w.client

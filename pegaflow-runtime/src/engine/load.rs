@@ -127,7 +127,9 @@ impl Engine {
     /// to the load state; nothing is copied.
     pub async fn load(&self, cmd: LoadCommand) -> EngineResult<()> {
         let mut clock = PhaseClock::start();
-        let state = attach_state(&cmd.completion)?;
+        let state = attach_state(&cmd.completion).inspect_err(|_| {
+            self.metrics.load_failures.inc();
+        })?;
         let prepared = match self.prepare_load(&cmd, &mut clock) {
             Ok(p) => p,
             Err(e) => {
@@ -252,12 +254,43 @@ impl Engine {
 
 /// The client's load-state word, when the load reports through one. Attached by descriptor,
 /// never mapped: the client can truncate the object at any time (see [`LoadStateWriter`]).
+///
+/// # Errors
+/// The client's object is the client's business ([`load_state_error`]): one that does not
+/// exist (or this server may not open) is FAILED_PRECONDITION, one that is not a load-state
+/// object INVALID_ARGUMENT; only the server's own failures (out of descriptors) are INTERNAL.
 fn attach_state(completion: &LoadCompletion) -> EngineResult<Option<LoadStateWriter>> {
     match completion {
         LoadCompletion::Wait => Ok(None),
         LoadCompletion::StateWord(name) => LoadStateWriter::attach(name)
             .map(Some)
-            .map_err(|e| EngineError::internal(format!("cannot attach load state {name:?}: {e}"))),
+            .map_err(|e| load_state_error(name, "attach", e)),
+    }
+}
+
+/// A load-state object's failure as the engine answers it: the client named an object that
+/// does not exist or that this server's user may not open (`shm_open` ENOENT, EACCES, EPERM:
+/// FAILED_PRECONDITION: create it first, as the published client's `PyLoadState` does, with
+/// the server's user); named one that is no load-state object or shrank under the server
+/// (INVALID_ARGUMENT); anything else is the server's (INTERNAL: out of descriptors, `/dev/shm`
+/// full).
+fn load_state_error(name: &str, what: &str, e: pegaflow_api::ApiError) -> EngineError {
+    use pegaflow_api::ApiError;
+    use std::io::ErrorKind;
+    let name = crate::error::echo(name);
+    match e {
+        ApiError::InvalidArgument(m) => EngineError::invalid(m),
+        ApiError::Io { source, .. } if source.kind() == ErrorKind::NotFound => {
+            EngineError::precondition(format!(
+                "load state {name:?} (load_state_shm) does not exist: create the load-state object before the Load (or set wait_for_completion)"
+            ))
+        }
+        ApiError::Io { source, .. } if source.kind() == ErrorKind::PermissionDenied => {
+            EngineError::precondition(format!(
+                "load state {name:?} (load_state_shm) cannot be opened by this server ({source}): create it readable and writable by the server's user"
+            ))
+        }
+        other => EngineError::internal(format!("cannot {what} load state {name:?}: {other}")),
     }
 }
 
@@ -270,7 +303,7 @@ fn complete(state: Option<&LoadStateWriter>, value: i64) -> EngineResult<()> {
     };
     s.complete(value).map_err(|e| {
         tracing::warn!(load_state = s.name(), value, error = %e, "cannot write the load state");
-        EngineError::internal(format!("cannot write load state {:?}: {e}", s.name()))
+        load_state_error(s.name(), "write", e)
     })
 }
 

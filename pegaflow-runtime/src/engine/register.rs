@@ -33,19 +33,27 @@ impl Engine {
         let registrar = match self.check_registration(&cmd) {
             Ok(r) => r,
             Err(e) => {
-                self.discard_failed_fd(&cmd);
+                self.discard_pending_fd(&cmd.instance_id, cmd.device_id);
                 return Err(e);
             }
         };
-        // A refused reservation (e.g. the device is already registering) leaves the side
-        // channel alone: the pending descriptor may belong to the registration in progress.
-        let inst = self.registry.reserve(&cmd, cmd.native())?;
+        let inst = match self.registry.reserve(&cmd, cmd.native()) {
+            Ok(i) => i,
+            Err(e) => {
+                // Unless the same device is registering right now (whose descriptor the one
+                // pending may be), this refusal's descriptor is closed.
+                self.discard_pending_fd(&cmd.instance_id, cmd.device_id);
+                return Err(e);
+            }
+        };
         let payload = std::mem::replace(&mut cmd.payload, RegistrationPayload::LayerBlobs(vec![]));
         let native = payload.is_native();
         let result = self.register_worker(&inst, &cmd, payload, registrar).await;
         if let Err(e) = &result {
+            // Before the reservation goes: no other registration of this device can have
+            // sent a descriptor that is pending now.
             if native {
-                self.discard_pending_fd(&cmd.instance_id, cmd.device_id);
+                self.discard_fds(&cmd.instance_id, cmd.device_id);
             }
             self.registry.abandon(&inst, cmd.device_id);
             tracing::warn!(instance = %cmd.instance_id, device = cmd.device_id, error = %e, "registration rejected");
@@ -63,20 +71,30 @@ impl Engine {
         self.registrar_for(cmd, &cmd.payload)
     }
 
-    fn discard_failed_fd(&self, cmd: &RegisterCommand) {
-        if cmd.native() {
-            self.discard_pending_fd(&cmd.instance_id, cmd.device_id);
+    /// Closes every descriptor the client sent on the side channel for a refused registration
+    /// of `(instance_id, device_id)`, those already read and those still on their way
+    /// ([`crate::fd_channel::FdChannel::discard`]), so that none waits for the pending TTL and
+    /// the client can resend under the same key at once. Called for every refusal, whatever
+    /// its reason (the service calls it for requests refused while decoding), except while a
+    /// registration of the same device is importing: the descriptor pending under the key may
+    /// be that one's, which closes what is left when its import ends.
+    pub fn discard_pending_fd(&self, instance_id: &str, device_id: i32) {
+        if self.fd_channel.is_none() || !is_side_channel_safe_id(instance_id) {
+            return;
         }
+        if self.registry.is_importing(instance_id, device_id) {
+            tracing::debug!(instance = %instance_id, device = device_id, "a registration of this device is importing: its side-channel descriptor is left to it");
+            return;
+        }
+        self.discard_fds(instance_id, device_id);
     }
 
-    /// Closes a descriptor the client sent on the side channel for a failed native
-    /// registration, so that it can resend under the same key at once instead of waiting for
-    /// the pending TTL. The service calls it for requests refused while decoding.
-    pub fn discard_pending_fd(&self, instance_id: &str, device_id: i32) {
-        if let Some(c) = &self.fd_channel {
-            if is_side_channel_safe_id(instance_id) && c.discard(instance_id, device_id) {
-                tracing::info!(instance = %instance_id, device = device_id, "discarded the side-channel fd of a failed registration");
-            }
+    /// [`Self::discard_pending_fd`] without the importing check: for the registration that
+    /// holds the device's reservation.
+    fn discard_fds(&self, instance_id: &str, device_id: i32) {
+        let Some(c) = &self.fd_channel else { return };
+        if is_side_channel_safe_id(instance_id) && c.discard(instance_id, device_id) {
+            tracing::info!(instance = %instance_id, device = device_id, "discarded the side-channel fd of a failed registration");
         }
     }
 
@@ -134,7 +152,14 @@ impl Engine {
         registrar: Arc<dyn Registrar>,
     ) -> EngineResult<()> {
         let whole_blocks = matches!(payload, RegistrationPayload::NativeV2 { .. });
+        let native = payload.is_native();
         let regions = self.import(req, payload, &registrar).await?;
+        if native {
+            // The import took its descriptors. Anything left under the key (sent by a
+            // registration of the same device refused meanwhile) is nobody's: closed now,
+            // before a later registration of this key could take it.
+            self.discard_fds(&req.instance_id, req.device_id);
+        }
         match self.build_worker(registrar.traits(), req, regions, whole_blocks) {
             Ok(worker) => self.registry.commit(inst, worker).await,
             Err((e, regions)) => {

@@ -80,6 +80,13 @@ impl Registry {
         v
     }
 
+    /// Whether a registration of `device_id` into instance `id` is importing right now
+    /// (reserved, not yet committed or abandoned).
+    pub fn is_importing(&self, id: &str, device_id: i32) -> bool {
+        self.find(id)
+            .is_some_and(|i| i.state.lock().importing.contains(&device_id))
+    }
+
     /// Registered instances.
     pub fn len(&self) -> usize {
         self.instances.read().len()

@@ -26,25 +26,25 @@
 //! Submodules: [`socket`] owns the socket file (creating its directory, binding, replacing a
 //! stale socket, removing it on drop); [`message`] owns the wire format of one message.
 
+mod accept;
 mod message;
 mod socket;
 #[cfg(test)]
 mod tests;
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::io;
 use std::os::fd::OwnedFd;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Weak};
+use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use tokio::net::{UnixListener, UnixStream};
-use tokio::sync::{watch, Notify, OwnedSemaphorePermit, Semaphore};
+use tokio::sync::{watch, Notify};
 use tracing::{debug, info, warn};
 
-use message::receive_message;
+use accept::{accept_loop, Acceptor};
 pub use message::MalformedMessage;
 use socket::{bind_socket, create_parent, remove_socket_if_ours, FileIdentity};
 
@@ -170,13 +170,46 @@ struct PendingFd {
     arrived: Instant,
 }
 
+/// A refused registration's `(instance, device)`: a descriptor for it arriving on a
+/// connection accepted before `horizon` was sent before the refusal was answered, so it
+/// belongs to the refused registration (a client sends its descriptor first, then the RPC)
+/// and is closed on arrival. Kept while such a connection is live.
+#[derive(Debug)]
+struct Refused {
+    instance_id: String,
+    device_id: i32,
+    horizon: u64,
+}
+
+/// The descriptors waiting to be taken, and the refusals whose descriptors may still arrive.
+#[derive(Debug, Default)]
+struct Pending {
+    map: HashMap<Key, PendingFd>,
+    refused: VecDeque<Refused>,
+}
+
+impl Pending {
+    /// Forgets the refusals no live connection can still bring a descriptor for (`oldest`:
+    /// the smallest live connection's number), then those beyond `cap`, oldest first.
+    fn prune_refused(&mut self, oldest: Option<u64>, cap: usize) {
+        self.refused
+            .retain(|r| oldest.is_some_and(|seq| seq < r.horizon));
+        while self.refused.len() > cap {
+            self.refused.pop_front();
+        }
+    }
+}
+
 /// State shared by the channel handle and its tasks; the tasks hold it weakly.
 #[derive(Debug)]
 struct Shared {
     limits: FdChannelLimits,
-    pending: Mutex<HashMap<Key, PendingFd>>,
+    pending: Mutex<Pending>,
     arrived: Notify,
     counters: Counters,
+    /// Connections accepted and not done with their message yet, by sequence number
+    /// ([`accept`]). Lock order: `pending`, then `live`.
+    live: Mutex<BTreeSet<u64>>,
 }
 
 impl Shared {
@@ -224,8 +257,8 @@ impl Shared {
     /// Closes every descriptor older than the TTL.
     fn purge_expired(&self) {
         let expired = {
-            let mut map = self.pending.lock();
-            self.purge_locked(&mut map, Instant::now())
+            let mut p = self.pending.lock();
+            self.purge_locked(&mut p.map, Instant::now())
         };
         self.log_expired(expired);
     }
@@ -233,12 +266,12 @@ impl Shared {
     /// Purges expired entries, then removes and returns the descriptor under `key`.
     fn remove(&self, key: &Key) -> Option<OwnedFd> {
         let (expired, found) = {
-            let mut map = self.pending.lock();
-            let expired = self.purge_locked(&mut map, Instant::now());
-            let found = map.remove(key);
+            let mut p = self.pending.lock();
+            let expired = self.purge_locked(&mut p.map, Instant::now());
+            let found = p.map.remove(key);
             self.counters
                 .pending
-                .store(map.len() as u64, Ordering::Relaxed);
+                .store(p.map.len() as u64, Ordering::Relaxed);
             (expired, found)
         };
         self.log_expired(expired);
@@ -248,22 +281,29 @@ impl Shared {
         })
     }
 
-    /// Files a well-formed message's descriptor, or rejects it (closing it); returns the
-    /// acknowledgement byte of the outcome.
-    fn insert(&self, key: Key, fd: OwnedFd) -> u8 {
+    /// Files a well-formed message's descriptor that arrived on connection `seq`, or rejects it
+    /// (closing it); returns the acknowledgement byte of the outcome, `None` when it belonged
+    /// to a refused registration (closed, counted as discarded).
+    fn insert(&self, key: Key, fd: OwnedFd, seq: u64) -> Option<u8> {
         let now = Instant::now();
         let (expired, outcome) = {
-            let mut map = self.pending.lock();
-            let expired = self.purge_locked(&mut map, now);
-            let outcome = if map.len() >= self.limits.max_pending {
-                Err(fd)
-            } else if map.contains_key(&key) {
+            let mut p = self.pending.lock();
+            let expired = self.purge_locked(&mut p.map, now);
+            let refused = p
+                .refused
+                .iter()
+                .any(|r| seq < r.horizon && r.instance_id == key.0 && r.device_id == key.1);
+            let outcome = if refused {
+                Err(Err(fd))
+            } else if p.map.len() >= self.limits.max_pending {
+                Err(Ok(fd))
+            } else if p.map.contains_key(&key) {
                 Ok(Some(fd))
             } else {
-                map.insert(key.clone(), PendingFd { fd, arrived: now });
+                p.map.insert(key.clone(), PendingFd { fd, arrived: now });
                 self.counters
                     .pending
-                    .store(map.len() as u64, Ordering::Relaxed);
+                    .store(p.map.len() as u64, Ordering::Relaxed);
                 Ok(None)
             };
             (expired, outcome)
@@ -275,7 +315,7 @@ impl Shared {
                 bump(&self.counters.accepted);
                 debug!(instance_id = %instance_id, device_id, ?index, "fd side channel: descriptor received");
                 self.arrived.notify_waiters();
-                ACK_FILED
+                Some(ACK_FILED)
             }
             Ok(Some(duplicate)) => {
                 drop(duplicate);
@@ -285,9 +325,9 @@ impl Shared {
                     device_id,
                     "fd side channel: a descriptor is already pending for this key; closing the new one"
                 );
-                ACK_DUPLICATE
+                Some(ACK_DUPLICATE)
             }
-            Err(surplus) => {
+            Err(Ok(surplus)) => {
                 drop(surplus);
                 bump(&self.counters.rejected_capacity);
                 warn!(
@@ -296,7 +336,13 @@ impl Shared {
                     max_pending = self.limits.max_pending,
                     "fd side channel: too many descriptors pending; closing the new one"
                 );
-                ACK_CAPACITY
+                Some(ACK_CAPACITY)
+            }
+            Err(Err(late)) => {
+                drop(late);
+                bump(&self.counters.discarded);
+                debug!(instance_id = %instance_id, device_id, ?index, "fd side channel: closed a descriptor of a refused registration that arrived after the refusal");
+                None
             }
         }
     }
@@ -325,6 +371,7 @@ pub struct FdChannel {
     path: PathBuf,
     identity: FileIdentity,
     shared: Arc<Shared>,
+    acceptor: Arc<Acceptor>,
     shutdown: watch::Sender<bool>,
     accept_task: tokio::task::JoinHandle<()>,
 }
@@ -357,24 +404,30 @@ impl FdChannel {
         // runs inline rather than on a blocking thread.
         let (sock, identity) = bind_socket(path)?;
         let listener = std::os::unix::net::UnixListener::from(sock);
-        let listener = match UnixListener::from_std(listener) {
-            Ok(l) => l,
+        let shared = Arc::new(Shared {
+            limits: limits.clone(),
+            pending: Mutex::new(Pending::default()),
+            arrived: Notify::new(),
+            counters: Counters::default(),
+            live: Mutex::new(BTreeSet::new()),
+        });
+        let (shutdown, shutdown_rx) = watch::channel(false);
+        let acceptor = match Acceptor::new(
+            listener,
+            Arc::downgrade(&shared),
+            limits.max_connections,
+            limits.receive_timeout,
+            shutdown_rx.clone(),
+        ) {
+            Ok(a) => Arc::new(a),
             Err(e) => {
                 remove_socket_if_ours(path, identity);
                 return Err(e);
             }
         };
-        let shared = Arc::new(Shared {
-            limits: limits.clone(),
-            pending: Mutex::new(HashMap::new()),
-            arrived: Notify::new(),
-            counters: Counters::default(),
-        });
-        let (shutdown, shutdown_rx) = watch::channel(false);
         let accept_task = tokio::spawn(accept_loop(
-            listener,
-            Arc::downgrade(&shared),
-            limits,
+            acceptor.clone(),
+            limits.pending_ttl,
             shutdown_rx,
         ));
         info!(path = %path.display(), "fd side channel listening");
@@ -382,6 +435,7 @@ impl FdChannel {
             path: path.to_path_buf(),
             identity,
             shared,
+            acceptor,
             shutdown,
             accept_task,
         }))
@@ -452,24 +506,45 @@ impl FdChannel {
         }
     }
 
-    /// Closes every descriptor pending for `(instance_id, device_id)` (the v1 one and those of
-    /// every allocation index of a v2 registration), without waiting; returns whether there
-    /// was one. A registration that fails calls this so that no descriptor of it outlives
-    /// the failure and the client can resend under the same key at once (the first pending
-    /// descriptor would otherwise block a resend until it expires).
+    /// Closes every descriptor sent for `(instance_id, device_id)` (the v1 one and those of
+    /// every allocation index of a v2 registration) up to now, without waiting; returns
+    /// whether one was pending. A registration that fails calls this so that no descriptor of
+    /// it outlives the failure and the client can resend under the same key at once (the first
+    /// pending descriptor would otherwise block a resend until it expires).
+    ///
+    /// "Up to now" includes descriptors still on their way: a client sends its descriptor
+    /// before its RPC, and a refusal can be decided before the server has read it (its
+    /// connection still queued on the socket, or read by a handler not yet run). Every queued
+    /// connection is accepted first; a descriptor for this key that then arrives on any
+    /// connection accepted so far is closed on arrival (counted in `discarded`). One sent on
+    /// a connection opened later (a resend after the refusal) is filed as usual.
     pub fn discard(&self, instance_id: &str, device_id: i32) -> bool {
+        let (horizon, stopped) = self.acceptor.accept_queued();
+        if let Some(e) = stopped {
+            debug!(error = %e, "fd side channel: accepting queued connections before a discard stopped early");
+        }
         let removed: Vec<PendingFd> = {
-            let mut map = self.shared.pending.lock();
-            let keys: Vec<Key> = map
+            let mut p = self.shared.pending.lock();
+            let keys: Vec<Key> = p
+                .map
                 .keys()
                 .filter(|k| k.0 == instance_id && k.1 == device_id)
                 .cloned()
                 .collect();
-            let removed = keys.iter().filter_map(|k| map.remove(k)).collect();
+            let removed = keys.iter().filter_map(|k| p.map.remove(k)).collect();
             self.shared
                 .counters
                 .pending
-                .store(map.len() as u64, Ordering::Relaxed);
+                .store(p.map.len() as u64, Ordering::Relaxed);
+            let oldest = self.shared.live.lock().first().copied();
+            if oldest.is_some_and(|seq| seq < horizon) {
+                p.refused.push_back(Refused {
+                    instance_id: instance_id.to_owned(),
+                    device_id,
+                    horizon,
+                });
+            }
+            p.prune_refused(oldest, self.shared.limits.max_pending);
             removed
         };
         let n = removed.len();
@@ -488,7 +563,7 @@ impl FdChannel {
 
     /// Descriptors received and not yet taken.
     pub fn pending(&self) -> usize {
-        self.shared.pending.lock().len()
+        self.shared.pending.lock().map.len()
     }
 
     /// A snapshot of the channel's counters.
@@ -505,134 +580,5 @@ impl Drop for FdChannel {
         self.accept_task.abort();
         remove_socket_if_ours(&self.path, self.identity);
         // The pending descriptors close when `shared` drops (the tasks hold it weakly).
-    }
-}
-/// Resolves once the channel is shutting down (the flag is set or the handle is gone).
-async fn stopped(shutdown: &mut watch::Receiver<bool>) {
-    let _ = shutdown.wait_for(|&stop| stop).await;
-}
-
-fn sweep_period(ttl: Duration) -> Duration {
-    (ttl / 4).clamp(Duration::from_millis(10), Duration::from_secs(1))
-}
-
-async fn accept_loop(
-    listener: UnixListener,
-    shared: Weak<Shared>,
-    limits: FdChannelLimits,
-    mut shutdown: watch::Receiver<bool>,
-) {
-    let slots = Arc::new(Semaphore::new(limits.max_connections));
-    let handler_shutdown = shutdown.clone();
-    let mut sweep = tokio::time::interval(sweep_period(limits.pending_ttl));
-    sweep.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = stopped(&mut shutdown) => break,
-            _ = sweep.tick() => {
-                let Some(s) = shared.upgrade() else { break };
-                s.purge_expired();
-            }
-            accepted = listener.accept() => match accepted {
-                Ok((stream, _)) => {
-                    let Some(s) = shared.upgrade() else { break };
-                    match Arc::clone(&slots).try_acquire_owned() {
-                        Ok(permit) => {
-                            s.counters.connections_open.fetch_add(1, Ordering::Relaxed);
-                            tokio::spawn(handle_connection(
-                                stream,
-                                Arc::downgrade(&s),
-                                limits.receive_timeout,
-                                handler_shutdown.clone(),
-                                permit,
-                            ));
-                        }
-                        Err(_) => {
-                            drop(stream);
-                            bump(&s.counters.connections_dropped);
-                            warn!(
-                                max_connections = limits.max_connections,
-                                "fd side channel: all connection slots busy; closing a new connection"
-                            );
-                        }
-                    }
-                }
-                Err(e) => {
-                    warn!(error = %e, "fd side channel: accept failed");
-                    tokio::time::sleep(ACCEPT_ERROR_PAUSE).await;
-                }
-            },
-        }
-    }
-    debug!("fd side channel: accept loop stopped");
-}
-
-/// Decrements the open-connection gauge when a handler ends, however it ends.
-struct OpenConnection {
-    shared: Weak<Shared>,
-    _permit: OwnedSemaphorePermit,
-}
-
-impl Drop for OpenConnection {
-    fn drop(&mut self) {
-        if let Some(s) = self.shared.upgrade() {
-            s.counters.connections_open.fetch_sub(1, Ordering::Relaxed);
-        }
-    }
-}
-
-async fn handle_connection(
-    stream: UnixStream,
-    shared: Weak<Shared>,
-    receive_timeout: Duration,
-    mut shutdown: watch::Receiver<bool>,
-    permit: OwnedSemaphorePermit,
-) {
-    let _open = OpenConnection {
-        shared: shared.clone(),
-        _permit: permit,
-    };
-    // Declared after the gauge's guard, so dropped before it: the gauge counts a connection
-    // until its socket is closed.
-    let stream = stream;
-    let outcome = tokio::select! {
-        // The channel is closing: drop the connection without touching the map.
-        _ = stopped(&mut shutdown) => return,
-        r = tokio::time::timeout(receive_timeout, receive_message(&stream)) => r,
-    };
-    let Some(shared) = shared.upgrade() else {
-        return;
-    };
-    match outcome {
-        Err(_) => {
-            bump(&shared.counters.connections_dropped);
-            warn!(
-                timeout_secs = receive_timeout.as_secs_f64(),
-                "fd side channel: connection sent nothing in time; closed"
-            );
-        }
-        Ok(Err(e)) => {
-            bump(&shared.counters.connections_dropped);
-            warn!(error = %e, "fd side channel: receiving a message failed; connection closed");
-        }
-        Ok(Ok(msg)) if msg.is_empty() => {
-            bump(&shared.counters.connections_dropped);
-            debug!("fd side channel: sender closed the connection without a message");
-        }
-        Ok(Ok(msg)) => match msg.into_key() {
-            Ok((key, fd)) => {
-                let v2 = key.2.is_some();
-                let ack = shared.insert(key, fd);
-                if v2 {
-                    // The socket's send buffer is empty: one byte never blocks. A sender that
-                    // left already just misses it.
-                    let _ = stream.try_write(&[ack]);
-                }
-            }
-            Err(reason) => {
-                bump(&shared.counters.rejected_malformed);
-                warn!(%reason, "fd side channel: rejected a message; its descriptors were closed");
-            }
-        },
     }
 }

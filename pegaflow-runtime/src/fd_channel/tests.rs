@@ -335,6 +335,55 @@ async fn fd_channel_discard_closes_a_pending_fd() {
     assert_eq!(ch.stats().rejected_duplicate, 0);
 }
 
+/// A refusal decided before the server read the descriptor its client sent first (issue 41:
+/// the connection still queued on the socket) closes that descriptor when it arrives; a
+/// resend on a connection opened after the refusal is filed as usual. The test runtime has
+/// one thread and nothing awaits between the sends and the discard, so the accept loop has
+/// run for neither connection when `discard` is called.
+#[tokio::test]
+async fn fd_channel_discard_closes_a_descriptor_still_on_its_way() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = sock_path(&dir);
+    let ch = FdChannel::bind(&path, limits()).await.unwrap();
+    // v1 and a v2 allocation of the refused registration, and another device's descriptor.
+    let (r1, w1) = pipe();
+    send(&path, "late", 0, w1.as_fd());
+    drop(w1);
+    let (r2, w2) = pipe();
+    let v2 = std::thread::spawn({
+        let path = path.clone();
+        move || pegaflow_api::fd::send_allocation_fd(&path, "late", 0, 1, w2.as_fd())
+    });
+    let (_r3, w3) = pipe();
+    send(&path, "late", 1, w3.as_fd());
+    // The v2 sender waits for its acknowledgement: give its sendmsg time to complete.
+    std::thread::sleep(Duration::from_millis(100));
+    assert_eq!(ch.pending(), 0, "nothing has been read yet");
+    assert!(!ch.discard("late", 0), "nothing was pending at the refusal");
+    // The resend, on a connection opened after the refusal.
+    let (_r4, w4) = pipe();
+    send(&path, "late", 0, w4.as_fd());
+    assert_eventually_closed(&r1, "the v1 descriptor of the refused registration").await;
+    assert_eventually_closed(&r2, "its v2 descriptor").await;
+    wait_stats(&ch, "one filed for device 1 and the resend", |s| {
+        s.accepted == 2 && s.discarded == 2
+    })
+    .await;
+    let e = tokio::task::spawn_blocking(move || v2.join().unwrap())
+        .await
+        .unwrap()
+        .unwrap_err();
+    assert!(
+        matches!(&e, pegaflow_api::ApiError::Io { source, .. } if source.kind() == io::ErrorKind::UnexpectedEof),
+        "a v2 sender of a discarded descriptor gets no acknowledgement: {e}"
+    );
+    assert_eq!(ch.stats().rejected_duplicate, 0);
+    let got = ch.take("late", 0, Duration::from_secs(2)).await.unwrap();
+    assert!(same_file(&got, &w4), "the resend is what a retry takes");
+    assert!(ch.take("late", 1, Duration::from_secs(2)).await.is_some());
+    assert_eq!(ch.pending(), 0);
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn fd_channel_v2_allocation_keys_are_distinct_and_discarded_together() {
     let dir = tempfile::tempdir().unwrap();
