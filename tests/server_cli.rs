@@ -65,7 +65,9 @@ fn use_hugepages_without_reserved_pages_fails_start_up_clearly() {
     };
     let (free, surplus) = (read("free_hugepages"), read("nr_overcommit_hugepages"));
     if free >= 512 || surplus > 0 {
-        println!("SKIP: this machine has {free} free 2 MiB huge pages ({surplus} surplus allowed)");
+        pegaflow_test_skip::skip!(
+            "this machine has {free} free 2 MiB huge pages ({surplus} surplus allowed)"
+        );
         return;
     }
     let mut child = Command::new(env!("CARGO_BIN_EXE_pegaflow-server"))
@@ -561,7 +563,7 @@ fn every_flag_of_pegaflows_server_is_accepted() {
             .find(|p| p.is_file())
     });
     let Some(theirs) = theirs else {
-        println!("SKIP: every_flag_of_pegaflows_server_is_accepted: the wheel is not installed (scripts/python-venv.sh)");
+        pegaflow_test_skip::skip!("the wheel is not installed (scripts/python-venv.sh)");
         return;
     };
     let out = Command::new(&theirs).arg("--help").output().unwrap();
@@ -706,13 +708,17 @@ fn start_the_readme_example(config: &str) {
         .into_iter()
         .find(|a| std::net::TcpListener::bind(a).is_err());
     if let Some(a) = busy {
-        println!("SKIP: starting the README example: {a} is in use on this machine");
+        pegaflow_test_skip::skip_part!(
+            "starting the README example: {a} is in use on this machine"
+        );
         return;
     }
     let sock_dir = std::path::Path::new("/run/pegaflow");
     let made_dir = !sock_dir.exists();
     if made_dir && std::fs::create_dir(sock_dir).is_err() {
-        println!("SKIP: starting the README example: cannot create /run/pegaflow (not root?)");
+        pegaflow_test_skip::skip_part!(
+            "starting the README example: cannot create /run/pegaflow (not root?)"
+        );
         return;
     }
     if made_dir {

@@ -1,7 +1,7 @@
 //! Smoke test of `pegaflow-directory-bench --quick`: it runs every backend it can (the
 //! MetaServer only where its binary is built), the backfill phase against its own
-//! `redis-server`, exits 0, prints the table and writes the JSON. Skips (printing `SKIP:`)
-//! where `redis-server` is not installed.
+//! `redis-server`, exits 0, prints the table and writes the JSON. Skips (reported by
+//! `pegaflow_test_skip::skip!`) where `redis-server` is not installed.
 
 use std::process::Command;
 use std::time::{Duration, Instant};
@@ -14,7 +14,7 @@ fn redis_server_installed() -> bool {
 #[test]
 fn quick_run_prints_the_table() {
     if !redis_server_installed() {
-        println!("SKIP: quick_run_prints_the_table: redis-server is not installed");
+        pegaflow_test_skip::skip!("redis-server is not installed");
         return;
     }
     let dir = tempfile::tempdir().unwrap();

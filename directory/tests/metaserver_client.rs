@@ -1,7 +1,7 @@
 //! The `metaserver` directory (a MetaServer gRPC client) against real MetaServer processes:
 //! the conformance suite over our `pegaflow-metaserver` and over PegaFlow's own (from the
 //! published wheel), restart detection through the canary, and a frozen MetaServer answering
-//! `Unavailable` within the deadline. Each part skips (printing `SKIP:`) when its binary is
+//! `Unavailable` within the deadline. Each part reports itself skipped (`pegaflow_tests::skip!`) when its binary is
 //! missing: ours is built by `cargo build --workspace`, PegaFlow's by `scripts/python-venv.sh`.
 
 use std::path::{Path, PathBuf};
@@ -164,7 +164,9 @@ impl DirectoryFixture for Fixture<'_> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_over_our_metaserver() {
     let Some(bin) = ours() else {
-        println!("SKIP: conformance_over_our_metaserver: target/debug/pegaflow-metaserver is not built (cargo build --workspace)");
+        pegaflow_tests::skip!(
+            "target/debug/pegaflow-metaserver is not built (cargo build --workspace)"
+        );
         return;
     };
     let p = MetaServerProcess::start(bin);
@@ -175,7 +177,7 @@ async fn conformance_over_our_metaserver() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn conformance_over_pegaflows_metaserver() {
     let Some(bin) = pegaflows() else {
-        println!("SKIP: conformance_over_pegaflows_metaserver: PegaFlow's metaserver not found (run scripts/python-venv.sh)");
+        pegaflow_tests::skip!("PegaFlow's metaserver not found (run scripts/python-venv.sh)");
         return;
     };
     let p = MetaServerProcess::start(bin);
@@ -188,9 +190,7 @@ async fn conformance_over_pegaflows_metaserver() {
 async fn a_metaserver_restart_is_reported_as_lost_state() {
     let bins: Vec<PathBuf> = [ours(), pegaflows()].into_iter().flatten().collect();
     if bins.is_empty() {
-        println!(
-            "SKIP: a_metaserver_restart_is_reported_as_lost_state: no MetaServer binary found"
-        );
+        pegaflow_tests::skip!("no MetaServer binary found");
         return;
     }
     for bin in bins {
@@ -230,7 +230,7 @@ async fn a_metaserver_restart_is_reported_as_lost_state() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_frozen_metaserver_answers_unavailable() {
     let Some(bin) = ours() else {
-        println!("SKIP: a_frozen_metaserver_answers_unavailable: target/debug/pegaflow-metaserver is not built");
+        pegaflow_tests::skip!("target/debug/pegaflow-metaserver is not built");
         return;
     };
     let p = MetaServerProcess::start(bin);

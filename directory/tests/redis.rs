@@ -2,7 +2,7 @@
 //! loopback port in a temporary directory, `pegaflow_tests::redis`): the shared conformance
 //! suite, split batches, owner-checked removal, takeover after expiry, native expiry, a
 //! frozen (SIGSTOP), down, killed, restarted, flushed or reloaded Redis, a lost heartbeat
-//! answer. Each test prints `SKIP:` and returns where `redis-server` is not installed
+//! answer. Each test reports itself skipped and returns where `redis-server` is not installed
 //! (`.ci/run` installs it). `throughput` (ignored) prints figures.
 
 use std::sync::atomic::{AtomicU64, Ordering};

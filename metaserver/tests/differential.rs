@@ -4,7 +4,7 @@
 //! codes and messages), then the `/metrics` samples the two export.
 //!
 //! PegaFlow's binary: `$PEGAFLOW_PY_METASERVER`, else the one `scripts/python-venv.sh`
-//! installs in the workspace's `.venv`; without it the test prints a SKIP line and passes.
+//! installs in the workspace's `.venv`; without it the test reports itself skipped (`scripts/test.sh` counts it so).
 //!
 //! Differences allowed, each marked at its step ([`Check::SameCode`], [`Check::Differs`]):
 //! - **The wording of a bad `node_id`**: both answer INVALID_ARGUMENT `invalid node_id: <the
@@ -229,7 +229,7 @@ fn comparable(text: &str) -> std::collections::BTreeMap<(String, String), f64> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn our_metaserver_answers_as_pegaflows() {
     let Some(theirs_bin) = common::pegaflow_binary() else {
-        println!("SKIP: PegaFlow's metaserver not found (run scripts/python-venv.sh)");
+        pegaflow_test_skip::skip!("PegaFlow's metaserver not found (run scripts/python-venv.sh)");
         return;
     };
     let flags = [
@@ -657,7 +657,7 @@ async fn our_metaserver_answers_as_pegaflows() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_sweep_drops_a_replaced_sessions_records_as_pegaflows() {
     let Some(theirs_bin) = common::pegaflow_binary() else {
-        println!("SKIP: PegaFlow's metaserver not found (run scripts/python-venv.sh)");
+        pegaflow_test_skip::skip!("PegaFlow's metaserver not found (run scripts/python-venv.sh)");
         return;
     };
     let flags = [

@@ -276,7 +276,7 @@ impl Drop for Redis {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn two_metaservers_share_one_redis() {
     let Some(mut redis) = Redis::start() else {
-        println!("SKIP: redis-server not found");
+        pegaflow_test_skip::skip!("redis-server not found");
         return;
     };
     let prefix = format!("e2e:{}:", uuid::Uuid::new_v4().simple());

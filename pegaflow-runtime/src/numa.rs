@@ -400,7 +400,7 @@ mod tests {
                 assert_eq!(nodes, vec![0]);
             }
             Err(e) if e.raw_os_error() == Some(libc::ENOSYS) => {
-                eprintln!("SKIP: this kernel has no NUMA support (mbind: {e})");
+                pegaflow_test_skip::skip_part!("this kernel has no NUMA support (mbind: {e})");
             }
             Err(e) => panic!("mbind on node 0: {e}"),
         }

@@ -9,6 +9,10 @@ pub mod registrar_suite;
 pub mod tier_suite;
 pub mod transport_suite;
 
+/// How a test that cannot run here says so (counted as skipped by `scripts/test.sh`, not as
+/// passed): re-exported for the crates that already take this one as a dev-dependency.
+pub use pegaflow_test_skip::{skip, skip_part};
+
 /// The path of example `name` of the crate whose test is running (cargo puts test binaries in
 /// `target/<profile>/deps/` and examples in `target/<profile>/examples/`).
 ///

@@ -2,8 +2,8 @@
 //! directory, stopped (SIGSTOP) and continued, killed and restarted on the same port, flushed;
 //! killed when dropped.
 //!
-//! Tests that need it call [`RedisServer::start`], which answers `None` (after printing a
-//! `SKIP:` line) where `redis-server` is not installed; `.ci/run` installs it.
+//! Tests that need it call [`RedisServer::start`], which answers `None` (after reporting the
+//! test skipped, [`crate::skip!`]) where `redis-server` is not installed; `.ci/run` installs it.
 
 use std::io::{Read, Write};
 use std::net::TcpStream;
@@ -46,14 +46,14 @@ fn free_port() -> u16 {
 }
 
 impl RedisServer {
-    /// Starts a server with persistence off, or prints `SKIP: <test>: ...` and answers `None`
-    /// when `redis-server` is not installed.
+    /// Starts a server with persistence off, or reports `test` skipped ([`crate::skip!`]) and
+    /// answers `None` when `redis-server` is not installed.
     ///
     /// # Panics
     /// When the installed server does not start or answer PING within 10 s.
     pub fn start(test: &str) -> Option<Self> {
         let Some(bin) = redis_server_bin() else {
-            println!("SKIP: {test}: redis-server is not installed (apt-get install redis-server)");
+            crate::skip!("{test}: redis-server is not installed (apt-get install redis-server)");
             return None;
         };
         let mut s = Self {

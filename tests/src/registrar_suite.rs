@@ -9,7 +9,7 @@
 //!
 //! Must never: depend on a registrar's kind (only on what it declares: its payload carrier),
 //! assert on elapsed time (deadlines only guard against hangs), or count a case that cannot run here as passed: cases that need a
-//! real import print `skipped: <why>` and return when the maker has no client memory here
+//! real import report themselves skipped ([`crate::skip!`]) and return when the maker has no client memory here
 //! (no GPU, say), and side-channel cases do the same for a per-layer-blob registrar.
 
 use std::os::fd::{AsFd, BorrowedFd, OwnedFd};
@@ -154,8 +154,8 @@ fn side_channel_kind(r: &dyn Registrar) -> Option<i32> {
 fn side_channel_only(r: &dyn Registrar) -> Option<i32> {
     let k = side_channel_kind(r);
     if k.is_none() {
-        eprintln!(
-            "skipped: {} imports {}, not a descriptor on the side channel",
+        crate::skip!(
+            "{} imports {}, not a descriptor on the side channel",
             r.kind(),
             r.scheme().carrier
         );
@@ -172,7 +172,7 @@ fn client_or_skip(
     match (m.client)(name, device_id, len) {
         Ok(c) => Some(c),
         Err(why) => {
-            eprintln!("skipped: {why}");
+            crate::skip!("{why}");
             None
         }
     }
@@ -368,7 +368,7 @@ pub async fn refusal_discards_the_pending_descriptor(m: &RegistrarMaker) {
         send(c.ch.path(), instance, dev, again.as_fd());
         wait_pending(&c.ch, 1).await;
         assert_eq!(c.ch.stats().rejected_duplicate, 0);
-        eprintln!("skipped: the import after the resend (no client memory here)");
+        crate::skip_part!("the import after the resend (no client memory here)");
         return;
     };
     let len = mem.len_bytes();

@@ -234,8 +234,8 @@ pub struct TransportMaker {
     pub make: fn() -> Arc<dyn Transport>,
     /// Allocates `len` zeroed bytes of the memory the transport copies to and from.
     pub memory: fn(len: usize) -> Arc<dyn TestMemory>,
-    /// `Err(why)` when the cases cannot run here (no GPU, say): each prints
-    /// `skipped: <why>` and returns.
+    /// `Err(why)` when the cases cannot run here (no GPU, say): each reports
+    /// itself skipped ([`crate::skip!`]) and returns.
     pub available: fn() -> Result<(), String>,
 }
 
@@ -267,7 +267,7 @@ struct Rig {
 
 fn rig(m: &TransportMaker) -> Option<Rig> {
     if let Err(why) = (m.available)() {
-        eprintln!("skipped: {why}");
+        crate::skip!("{why}");
         return None;
     }
     let t = (m.make)();

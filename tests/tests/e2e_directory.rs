@@ -4,7 +4,7 @@
 //! QueryPrefetch, and queries answer "local only" meanwhile; after a FLUSHALL or a restart of
 //! Redis every server re-advertises what it holds; a server that shuts down leaves the
 //! directory. A `pegaflow-metaserver` over the same Redis answers the MetaServer's
-//! `QueryPrefixBlocks` with every server's blocks. Skips (printing `SKIP:`) where
+//! `QueryPrefixBlocks` with every server's blocks. Skips (reported by `pegaflow_tests::skip!`) where
 //! `redis-server` is not installed (and the MetaServer part where the binary is not built).
 
 use std::future::Future;
@@ -117,7 +117,7 @@ async fn bounded<T>(limit: Duration, what: &str, f: impl Future<Output = T>) -> 
 }
 
 /// Our `pegaflow-metaserver` over the Redis at `url` under `prefix`, on a free port, killed
-/// when dropped; `None` (printing `SKIP:`) when the binary is not built.
+/// when dropped; `None` (reported skipped) when the binary is not built.
 struct MetaServer(std::process::Child, u16);
 
 impl MetaServer {
@@ -129,7 +129,7 @@ impl MetaServer {
                     .join("../target/debug/pegaflow-metaserver")
             });
         if !bin.is_file() {
-            println!("SKIP: QueryPrefixBlocks through pegaflow-metaserver: {} is not built (cargo build --workspace)", bin.display());
+            pegaflow_tests::skip!("QueryPrefixBlocks through pegaflow-metaserver: {} is not built (cargo build --workspace)", bin.display());
             return None;
         }
         let port = std::net::TcpListener::bind("127.0.0.1:0")

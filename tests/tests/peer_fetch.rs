@@ -14,7 +14,7 @@
 //! - a source restarted (new data port, pooled connections dead) is fetched from again;
 //! - a run split over two holders (the directory's cover plan) lands in one request.
 //!
-//! Skips (printing `SKIP:`) without `redis-server` or a built `pegaflow-server`.
+//! Skips (reported by `pegaflow_tests::skip!`) without `redis-server` or a built `pegaflow-server`.
 
 mod peer_support;
 

@@ -3,7 +3,7 @@
 //! a server in each; a block saved in the first is fetched over TCP by the second and loads
 //! byte-exact there. The test creates the namespaces and the veth pair as root and removes
 //! them however it ends (a Drop guard); without root, `ip`, `redis-server` or the server
-//! binary it prints `SKIP:` and returns.
+//! binary it reports itself skipped (`pegaflow_tests::skip!`) and returns.
 
 mod peer_support;
 
@@ -87,15 +87,15 @@ fn a_block_crosses_a_veth_pair_between_network_namespaces() {
     let test = "a_block_crosses_a_veth_pair_between_network_namespaces";
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        println!("SKIP: {test}: needs root to create network namespaces");
+        pegaflow_tests::skip!("{test}: needs root to create network namespaces");
         return;
     }
     if Command::new("ip").arg("-V").output().is_err() {
-        println!("SKIP: {test}: the `ip` command (iproute2) is missing");
+        pegaflow_tests::skip!("{test}: the `ip` command (iproute2) is missing");
         return;
     }
     let Some(redis_bin) = pegaflow_tests::redis::redis_server_bin() else {
-        println!("SKIP: {test}: redis-server is not installed");
+        pegaflow_tests::skip!("{test}: redis-server is not installed");
         return;
     };
     let Some(bin) = server_bin(test) else {
@@ -104,7 +104,7 @@ fn a_block_crosses_a_veth_pair_between_network_namespaces() {
     let mut net = match Netns::create() {
         Ok(n) => n,
         Err(e) => {
-            println!("SKIP: {test}: cannot create network namespaces here: {e}");
+            pegaflow_tests::skip!("{test}: cannot create network namespaces here: {e}");
             return;
         }
     };

@@ -15,7 +15,7 @@
 //! - two nodes fetching from each other at the same moment (simultaneous mutual
 //!   handshakes): both land, neither panics.
 //!
-//! Skips (printing `SKIP:`) without `redis-server` or a built `pegaflow-server`.
+//! Skips (reported by `pegaflow_tests::skip!`) without `redis-server` or a built `pegaflow-server`.
 
 mod peer_support;
 

@@ -3,8 +3,8 @@
 //! channel, and the query/load helpers the tests use.
 //!
 //! The server binary is `target/debug/pegaflow-server` (or `$PEGAFLOW_SERVER_BIN`);
-//! `scripts/test.sh` builds it first. Without it (or without `redis-server`) a test prints
-//! `SKIP:` and returns.
+//! `scripts/test.sh` builds it first. Without it (or without `redis-server`) a test reports
+//! itself skipped (`pegaflow_tests::skip!`) and returns.
 
 #![allow(dead_code)]
 
@@ -18,7 +18,7 @@ use pegaflow_tests::harness::{KvCache, KvShape, Worker};
 /// The namespace every peer test saves under.
 pub const NS: &str = "peer-fetch";
 
-/// The server binary, or `None` after printing `SKIP: <test>: ...`.
+/// The server binary, or `None` after reporting `test` skipped.
 pub fn server_bin(test: &str) -> Option<PathBuf> {
     let bin = std::env::var_os("PEGAFLOW_SERVER_BIN")
         .map(PathBuf::from)
@@ -28,8 +28,8 @@ pub fn server_bin(test: &str) -> Option<PathBuf> {
     if bin.is_file() {
         Some(bin)
     } else {
-        println!(
-            "SKIP: {test}: no server binary at {} (cargo build --bin pegaflow-server, or set PEGAFLOW_SERVER_BIN)",
+        pegaflow_tests::skip!(
+            "{test}: no server binary at {} (cargo build --bin pegaflow-server, or set PEGAFLOW_SERVER_BIN)",
             bin.display()
         );
         None

@@ -396,7 +396,9 @@ fn transparent_hugepages_align_the_pool_and_advise_it() {
             "advised MADV_HUGEPAGE: {flags}"
         );
     } else {
-        println!("SKIP (the advice part): this kernel has no transparent huge pages");
+        pegaflow_test_skip::skip_part!(
+            "the advice part: this kernel has no transparent huge pages"
+        );
     }
     // It serves as any pool: whole, exact, and the last granule is writable.
     let a = t.allocate(4 << 20).unwrap();
@@ -446,10 +448,14 @@ fn reserved_hugepages_map_in_full_or_fail_clearly() {
             "{e}"
         );
     } else {
-        println!("SKIP (the refusal part): this kernel may hand out surplus huge pages");
+        pegaflow_test_skip::skip_part!(
+            "the refusal part: this kernel may hand out surplus huge pages"
+        );
     }
     if huge_pages_2m("free_hugepages") == 0 {
-        println!("SKIP (the mapping part): this machine has no free reserved huge pages");
+        pegaflow_test_skip::skip_part!(
+            "the mapping part: this machine has no free reserved huge pages"
+        );
         return;
     }
     let t = DramTier::new(settings(3 << 19)).expect("1.5 MiB on one free huge page");

@@ -548,7 +548,7 @@ async fn a_full_filesystem_evicts_and_keeps_serving() {
             mnt.to_str().unwrap(),
         ],
     ) {
-        eprintln!("SKIPPED: a_full_filesystem: needs root to mount a 56 MiB tmpfs: {why}");
+        pegaflow_tests::skip!("needs root to mount a 56 MiB tmpfs: {why}");
         return;
     }
     let _guard = Mounted {

@@ -4,7 +4,7 @@
 //!
 //! GPU cases are opt-in (`PEGAFLOW_GPU_TESTS=1` on a CUDA machine, as `tests/gpu.rs`): the
 //! `cuda` transport's cases are `#[ignore]`d (run them with `-- --include-ignored`); the
-//! registrar cases that need a GPU print `skipped: ...` and return. What needs no GPU runs everywhere: the
+//! registrar cases that need a GPU report themselves skipped (`pegaflow_tests::skip!`) and return. What needs no GPU runs everywhere: the
 //! registrars' refusals (bounds, discarded descriptors, wrong carriers, malformed pickles)
 //! are decided before any driver call. The `cuda-ipc` imports themselves need memory exported
 //! by another process (CUDA refuses to open a handle of its own process), so the suite's

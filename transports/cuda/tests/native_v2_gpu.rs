@@ -38,7 +38,7 @@ fn gpu_tests() -> bool {
     if std::env::var("PEGAFLOW_GPU_TESTS").as_deref() == Ok("1") {
         return true;
     }
-    eprintln!("skipped: set PEGAFLOW_GPU_TESTS=1 on a CUDA machine to run the GPU tests");
+    pegaflow_tests::skip!("set PEGAFLOW_GPU_TESTS=1 on a CUDA machine to run the GPU tests");
     false
 }
 

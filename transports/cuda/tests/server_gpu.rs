@@ -23,7 +23,7 @@ const SEG: usize = 32 << 10;
 
 fn enabled() -> Option<String> {
     if std::env::var("PEGAFLOW_GPU_TESTS").as_deref() != Ok("1") {
-        eprintln!("skipped: set PEGAFLOW_GPU_TESTS=1 and PEGAFLOW_SERVER_BIN on a CUDA machine");
+        pegaflow_tests::skip!("set PEGAFLOW_GPU_TESTS=1 and PEGAFLOW_SERVER_BIN on a CUDA machine");
         return None;
     }
     Some(std::env::var("PEGAFLOW_SERVER_BIN").expect("PEGAFLOW_SERVER_BIN"))

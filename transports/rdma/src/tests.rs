@@ -635,7 +635,7 @@ async fn ranges_contiguous_on_both_sides_are_coalesced_into_few_reads() {
 fn another_user_cannot_reach_the_fabric_socket() {
     // SAFETY: geteuid has no preconditions.
     if unsafe { libc::geteuid() } != 0 {
-        eprintln!("SKIP: running a process as another user needs root");
+        pegaflow_test_skip::skip!("running a process as another user needs root");
         return;
     }
     use std::os::unix::fs::PermissionsExt;
@@ -661,7 +661,7 @@ fn another_user_cannot_reach_the_fabric_socket() {
     {
         Ok(o) => o,
         Err(e) => {
-            eprintln!("SKIP: cannot run python3 as nobody: {e}");
+            pegaflow_test_skip::skip!("cannot run python3 as nobody: {e}");
             return;
         }
     };
