@@ -17,6 +17,18 @@ use pegaflow_transport_shm as _;
 #[cfg(feature = "tcp")]
 use pegaflow_transport_tcp as _;
 
+// `--metaserver-addr` without `--nics` or `--peer-data-addr` serves peers over TCP, its data
+// port on the host of `--addr` (docs/OPERATIONS.md section 2.1), rather than advertising
+// blocks that no peer could fetch from this node.
+#[cfg(feature = "tcp")]
+inventory::submit! {
+    pegaflow_runtime::DefaultPeerPath {
+        kind: "tcp",
+        addr_setting: "data_addr",
+        addr_flag: "peer-data-addr",
+    }
+}
+
 /// The heap allocator (the `mimalloc` feature, on by default): see Cargo.toml's feature list.
 #[cfg(feature = "mimalloc")]
 #[global_allocator]

@@ -15,8 +15,10 @@
 //! `--print-config`, a passing `--check-config`); 2 ([`CONFIG_ERROR`]) for a command line or
 //! pipeline the server refuses (unknown flag, bad value, invalid TOML, an unknown log level,
 //! an address that does not resolve, an unknown kind or backend setting, a flag of a part
-//! this build lacks); 1 when the server fails at start-up (a port taken, a tier that cannot
-//! be built) or while running.
+//! this build lacks); 1 ([`START_UP_FAILURE`]) when the server fails at start-up (a port
+//! taken, a tier that cannot be built) or while running, and when `--check-config`'s start-up
+//! checks find such a failure ahead of time (a directory this user cannot create, huge pages
+//! the kernel does not have).
 
 use std::process::ExitCode;
 
@@ -27,6 +29,10 @@ use crate::config::Cli;
 /// The exit status of every configuration error (a flag, the pipeline file, a backend's
 /// settings, a log level, an address): 2, as clap exits for a usage error.
 pub const CONFIG_ERROR: u8 = 2;
+
+/// The exit status of a start-up failure (a port taken, a tier that cannot be built), and of a
+/// `--check-config` whose start-up checks found one ahead of time: 1.
+pub const START_UP_FAILURE: u8 = 1;
 
 /// Parses the command line, then lists the plugins, prints the pipeline, or runs the server
 /// until SIGINT, SIGTERM or the Shutdown RPC. See the module doc for exit codes.
@@ -44,7 +50,7 @@ pub fn main() -> ExitCode {
         print!("{}", crate::plugin::describe_plugins());
         return ExitCode::SUCCESS;
     }
-    let pipeline = match cli.pipeline() {
+    let (pipeline, added) = match cli.pipeline_and_notes() {
         Ok(p) => p,
         Err(e) => {
             eprintln!("{bin}: {e:#}");
@@ -58,8 +64,13 @@ pub fn main() -> ExitCode {
         return ExitCode::from(CONFIG_ERROR);
     }
     if cli.flags.check_config {
-        print!("{}", pipeline.describe());
-        return ExitCode::SUCCESS;
+        let report = pipeline.preflight();
+        print!("{}", pipeline.render_check(&report));
+        return if report.ok() {
+            ExitCode::SUCCESS
+        } else {
+            ExitCode::from(START_UP_FAILURE)
+        };
     }
     if cli.flags.print_config {
         print!("{}", pipeline.to_toml());
@@ -69,7 +80,7 @@ pub fn main() -> ExitCode {
         eprintln!("{bin}: {e:#}");
         return ExitCode::from(CONFIG_ERROR);
     }
-    for note in cli.notes() {
+    for note in cli.notes().into_iter().chain(added) {
         tracing::info!("{note}");
     }
     let rt = match tokio::runtime::Builder::new_multi_thread()
@@ -80,7 +91,7 @@ pub fn main() -> ExitCode {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("{bin}: cannot start the async runtime: {e}");
-            return ExitCode::from(1);
+            return ExitCode::from(START_UP_FAILURE);
         }
     };
     match rt.block_on(crate::run(pipeline)) {
@@ -88,7 +99,7 @@ pub fn main() -> ExitCode {
         Err(e) => {
             tracing::error!("{e:#}");
             eprintln!("{bin}: {e:#}");
-            ExitCode::from(1)
+            ExitCode::from(START_UP_FAILURE)
         }
     }
 }

@@ -1,9 +1,14 @@
-//! Component health for `/health`: backends post what an operator should see there (the I/O
-//! engine a tier chose, a directory taken out of service) and `/health` renders it.
+//! Component health: backends and the runtime post what an operator should see (the I/O
+//! engine a tier chose, a directory taken out of service, each tier and peer path of the
+//! pipeline) and the HTTP endpoints render it.
 //!
-//! A degraded component does not make the server unhealthy: it keeps serving (the probe
-//! answers 200), and the body says what is degraded. With no report, or only `Ok` reports,
-//! the body is `ok`, PegaFlow's answer.
+//! `GET /health` is the probe, and answers as PegaFlow's does: exactly `ok` (200) while the
+//! server serves, whatever is degraded, since a degraded component (a failed SSD directory, an
+//! unreachable directory) leaves the server serving; 503 only when a component is
+//! [`HealthState::Unhealthy`] (the server cannot serve: its gRPC service stopped). The detail,
+//! one line per component with its state and reason ([`HealthBoard::render`]), is
+//! `GET /health?verbose=1`. Must never: make the probe's body anything but `ok` while it
+//! answers 200 (probes compare the body).
 
 use std::collections::BTreeMap;
 use std::sync::Arc;
@@ -18,6 +23,20 @@ pub enum HealthState {
     /// Serving with less than it was configured with (a failed directory dropped from
     /// service, a fallback engine): the server keeps serving.
     Degraded,
+    /// Not serving what it is for (the gRPC service stopped): `/health` answers 503, so a
+    /// probe restarts or routes around the server.
+    Unhealthy,
+}
+
+impl HealthState {
+    /// `ok`, `degraded` or `unhealthy`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            HealthState::Ok => "ok",
+            HealthState::Degraded => "degraded",
+            HealthState::Unhealthy => "unhealthy",
+        }
+    }
 }
 
 #[derive(Debug, Clone)]
@@ -44,26 +63,43 @@ impl HealthBoard {
         );
     }
 
-    /// Whether any component is degraded.
-    pub fn degraded(&self) -> bool {
+    /// Sets the report of `component` unless one is there already (a backend's own report
+    /// wins over the runtime's baseline line for the same component).
+    pub fn report_if_absent(&self, component: &str, state: HealthState, detail: impl Into<String>) {
         self.reports
             .lock()
-            .values()
-            .any(|r| r.state == HealthState::Degraded)
+            .entry(component.to_owned())
+            .or_insert_with(|| Report {
+                state,
+                detail: detail.into(),
+            });
     }
 
-    /// The `/health` body: `ok` (or `degraded`) on the first line, then one
-    /// `component: state; detail` line per report, in name order. Just `ok` without reports.
-    pub fn render(&self) -> String {
+    /// Whether any component is degraded or unhealthy.
+    pub fn degraded(&self) -> bool {
+        self.overall() != HealthState::Ok
+    }
+
+    /// The worst state of any component (`Ok` without reports).
+    pub fn overall(&self) -> HealthState {
         let reports = self.reports.lock();
-        let degraded = reports.values().any(|r| r.state == HealthState::Degraded);
-        let mut out = String::from(if degraded { "degraded" } else { "ok" });
-        for (name, r) in reports.iter() {
-            let state = match r.state {
-                HealthState::Ok => "ok",
-                HealthState::Degraded => "degraded",
-            };
-            out.push_str(&format!("\n{name}: {state}; {}", r.detail));
+        let any = |s: HealthState| reports.values().any(|r| r.state == s);
+        if any(HealthState::Unhealthy) {
+            HealthState::Unhealthy
+        } else if any(HealthState::Degraded) {
+            HealthState::Degraded
+        } else {
+            HealthState::Ok
+        }
+    }
+
+    /// The detail (`/health?verbose=1`): the overall state ([`Self::overall`]) on the first
+    /// line, then one `component: state; detail` line per report, in name order. Just `ok`
+    /// without reports.
+    pub fn render(&self) -> String {
+        let mut out = String::from(self.overall().as_str());
+        for (name, r) in self.reports.lock().iter() {
+            out.push_str(&format!("\n{name}: {}; {}", r.state.as_str(), r.detail));
         }
         out
     }
@@ -88,5 +124,13 @@ mod tests {
         );
         b.report("ssd /b", HealthState::Ok, "back");
         assert!(!b.degraded());
+        b.report_if_absent("ssd /b", HealthState::Degraded, "baseline");
+        assert_eq!(b.overall(), HealthState::Ok, "a report already there wins");
+        b.report("grpc", HealthState::Unhealthy, "stopped");
+        b.report("ssd /a", HealthState::Degraded, "slow");
+        assert_eq!(b.overall(), HealthState::Unhealthy);
+        assert!(b
+            .render()
+            .starts_with("unhealthy\ngrpc: unhealthy; stopped\n"));
     }
 }

@@ -1,6 +1,9 @@
-//! The HTTP endpoints (axum): `GET /health`, `GET /metrics`, `GET /instances`,
+//! The HTTP endpoints (axum): `GET /health[?verbose=1]`, `GET /metrics`, `GET /instances`,
 //! `POST /instances/cleanup[?id=]`, `POST /cache/memory/cleanup`, with PegaFlow's response
-//! fields. `/health` and `/metrics` never wait on the registry or a device. The two `POST`
+//! fields. `/health` answers exactly `ok` (200) as PegaFlow's probe does, or 503 when a
+//! component is unhealthy; `?verbose=1` adds one line per component ([`crate::health`]).
+//! Without `enable_prometheus`, `/metrics` answers 404 naming the flag that turns it on.
+//! `/health` and `/metrics` never wait on the registry or a device. The two `POST`
 //! endpoints answer only the peers of `[server] admin_allow` (403 for the others); the
 //! router must be served with [`PeerAddr`] connect info (the peer of an unknown connection
 //! is refused unless `admin_allow` is `any`).
@@ -17,7 +20,7 @@ use serde::Deserialize;
 
 use crate::config::AdminAllow;
 use crate::engine::Engine;
-use crate::health::HealthBoard;
+use crate::health::{HealthBoard, HealthState};
 
 /// The peer of an HTTP connection, as the server's listener reports it
 /// (`Router::into_make_service_with_connect_info::<PeerAddr>`).
@@ -55,8 +58,49 @@ struct CleanupQuery {
     id: Option<String>,
 }
 
-async fn health_page(State(s): State<AppState>) -> String {
-    s.health.render()
+#[derive(Deserialize)]
+struct HealthQuery {
+    verbose: Option<String>,
+}
+
+/// The response header that carries the overall state (`ok`, `degraded`, `unhealthy`) on
+/// every `/health` answer, for scripts that want it without parsing the detail.
+pub const HEALTH_HEADER: &str = "x-pegaflow-health";
+
+/// `GET /health`: `200 ok` (exactly, as PegaFlow) while the server serves, degraded
+/// components or not; `503` with the detail when a component is unhealthy. `?verbose=1` (or
+/// `true`) answers the detail with the same status. The overall state is in
+/// [`HEALTH_HEADER`] either way.
+async fn health_page(
+    State(s): State<AppState>,
+    Query(q): Query<HealthQuery>,
+) -> axum::response::Response {
+    let overall = s.health.overall();
+    let verbose = q
+        .verbose
+        .as_deref()
+        .is_some_and(|v| matches!(v, "1" | "true" | "yes" | ""));
+    let status = if overall == HealthState::Unhealthy {
+        StatusCode::SERVICE_UNAVAILABLE
+    } else {
+        StatusCode::OK
+    };
+    let body = if verbose || overall == HealthState::Unhealthy {
+        s.health.render()
+    } else {
+        "ok".to_string()
+    };
+    (status, [(HEALTH_HEADER, overall.as_str())], body).into_response()
+}
+
+/// `GET /metrics` when `enable_prometheus` is off: 404 (the route PegaFlow leaves out) with
+/// a line saying how to turn it on.
+async fn metrics_off() -> axum::response::Response {
+    (
+        StatusCode::NOT_FOUND,
+        "/metrics is off: start the server with --enable-prometheus (or [server] enable_prometheus = true)\n",
+    )
+        .into_response()
 }
 
 async fn metrics(State(s): State<AppState>) -> impl IntoResponse {
@@ -126,9 +170,9 @@ async fn cleanup_memory(
     }
 }
 
-/// The router; `/metrics` only when `enable_prometheus`. `/health` renders `health`
-/// ([`HealthBoard::render`]: `ok`, PegaFlow's body, until a component reports). The cleanup
-/// endpoints answer the peers `admin_allow` permits.
+/// The router; `/metrics` serves only when `enable_prometheus` (else a 404 naming the flag).
+/// `/health` answers from `health` (see [`health_page`]). The cleanup endpoints answer the
+/// peers `admin_allow` permits.
 pub fn router(
     engine: Arc<Engine>,
     health: HealthBoard,
@@ -140,9 +184,11 @@ pub fn router(
         .route("/instances", get(instances))
         .route("/instances/cleanup", post(cleanup_instances))
         .route("/cache/memory/cleanup", post(cleanup_memory));
-    if enable_prometheus {
-        r = r.route("/metrics", get(metrics));
-    }
+    r = if enable_prometheus {
+        r.route("/metrics", get(metrics))
+    } else {
+        r.route("/metrics", get(metrics_off))
+    };
     r.with_state(AppState {
         engine,
         health,

@@ -20,6 +20,7 @@ use crate::cluster::{ClusterDirectory, DirectoryConfig};
 use crate::config::PipelineConfig;
 use crate::engine::{Engine, EngineParts};
 use crate::fd_channel::{FdChannel, FdChannelLimits};
+use crate::health::{HealthBoard, HealthState};
 use crate::http::PeerAddr;
 use crate::metrics::Metrics;
 use crate::plugin::{
@@ -41,6 +42,8 @@ pub struct ServerHandle {
     pub fd_channel: Option<Arc<FdChannel>>,
     /// The cross-node directory client, when `[directory]` is configured.
     pub directory: Option<ClusterDirectory>,
+    /// What `/health` answers from: every component's state ([`crate::health`]).
+    pub health: HealthBoard,
     stop: Arc<Notify>,
     shutdown_requested: Arc<Notify>,
     tasks: Vec<JoinHandle<()>>,
@@ -165,6 +168,12 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         health: Default::default(),
     };
     let built = build_pipeline(&pipeline, &ctx, &metrics)?;
+    report_components(
+        &ctx.health,
+        &built,
+        fd_channel.as_deref(),
+        pipeline.directory.is_some(),
+    );
     let directory = match &pipeline.directory {
         Some(d) => {
             let f = directory_factory(&d.kind)?;
@@ -211,6 +220,11 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         )
     });
 
+    if directory.is_some() && engine.peer().is_none() {
+        tracing::warn!(
+            "the [directory] lists this node's blocks, but the pipeline has no [peer]: other nodes cannot fetch them from here (add a [peer] table, --peer-data-addr or --nics)"
+        );
+    }
     // The peer rung: a [peer] that fetches, with the directory that says from where.
     if let Some(fetcher) = engine.peer().and_then(|p| p.fetcher()) {
         match &directory {
@@ -259,6 +273,8 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         .with_save_answer_early(pipeline.server.save_answer_early);
     {
         let stop = stop.clone();
+        let health = ctx.health.clone();
+        health.report("grpc", HealthState::Ok, format!("serving on {grpc_addr}"));
         let listener = CappedListener::new(
             grpc_listener,
             "grpc",
@@ -283,6 +299,11 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
                 .await;
             if let Err(e) = r {
                 tracing::error!(error = %e, "gRPC server failed");
+                health.report(
+                    "grpc",
+                    HealthState::Unhealthy,
+                    format!("the gRPC server stopped: {e}"),
+                );
             }
         }));
     }
@@ -324,10 +345,60 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         engine,
         fd_channel,
         directory,
+        health: ctx.health.clone(),
         stop,
         shutdown_requested,
         tasks,
     })
+}
+
+/// The runtime's own lines of `/health?verbose=1`: one per tier (`tier dram`, `tier ssd`), the
+/// peer path (`peer tcp`, or `peer` when there is none) and the side channel. A backend's own
+/// report of the same name (made while it was built) wins.
+fn report_components(
+    health: &HealthBoard,
+    built: &BuiltPipeline,
+    fd_channel: Option<&FdChannel>,
+    directory: bool,
+) {
+    let ok = HealthState::Ok;
+    health.report_if_absent(
+        &format!("tier {}", built.pool.kind()),
+        ok,
+        format!(
+            "landing tier, capacity_bytes={}",
+            built.pool.capacity_bytes()
+        ),
+    );
+    let mut above = built.pool.kind();
+    for t in &built.lower {
+        health.report_if_absent(&format!("tier {}", t.kind()), ok, format!("below {above}"));
+        above = t.kind();
+    }
+    match &built.peer {
+        Some(p) => health.report_if_absent(
+            &format!("peer {}", p.kind()),
+            ok,
+            match (p.fetcher().is_some(), directory) {
+                (true, true) => "serves peers and fetches from those the directory names",
+                (true, false) => "serves peers; fetches nothing (no [directory] to find holders)",
+                (false, _) => "serves peers",
+            },
+        ),
+        None if directory => health.report(
+            "peer",
+            ok,
+            "none: the directory lists this node's blocks, but no peer can fetch them from here",
+        ),
+        None => health.report("peer", ok, "none"),
+    }
+    if let Some(c) = fd_channel {
+        health.report(
+            "fd channel",
+            ok,
+            format!("listening at {}", c.path().display()),
+        );
+    }
 }
 
 /// The `ip:port` this server advertises in the directory: `advertise_addr`, else the

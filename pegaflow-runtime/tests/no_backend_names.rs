@@ -4,7 +4,8 @@
 //! (capabilities, flags, the default landing tier) instead.
 //!
 //! Line-based: comment lines are skipped, and so is everything from a line starting with
-//! `#[cfg(test)]` to the end of the file (test modules come last).
+//! `#[cfg(test)]` to the end of the file (test modules come last), and a test module in a
+//! file of its own (`tests.rs` beside a `mod.rs` that declares it under `#[cfg(test)]`).
 
 use std::path::Path;
 
@@ -73,6 +74,13 @@ fn scan(dir: &Path, hits: &mut Vec<String>) {
             continue;
         }
         if path.extension().is_none_or(|e| e != "rs") {
+            continue;
+        }
+        // A test module in a file of its own (`mod.rs` declares `#[cfg(test)] mod tests;`).
+        if path.file_name().is_some_and(|n| n == "tests.rs")
+            && std::fs::read_to_string(path.with_file_name("mod.rs"))
+                .is_ok_and(|m| m.contains("#[cfg(test)]\nmod tests;"))
+        {
             continue;
         }
         let text = std::fs::read_to_string(&path).unwrap();

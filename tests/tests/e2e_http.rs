@@ -13,6 +13,94 @@ const SHAPE: KvShape = KvShape {
     segment_bytes: 512,
 };
 
+/// The whole response (status line, headers, body) of `GET path`.
+async fn raw_get(addr: std::net::SocketAddr, path: &str) -> String {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let mut s = tokio::net::TcpStream::connect(addr).await.unwrap();
+    let req = format!("GET {path} HTTP/1.1\r\nHost: {addr}\r\nConnection: close\r\n\r\n");
+    s.write_all(req.as_bytes()).await.unwrap();
+    let mut buf = Vec::new();
+    s.read_to_end(&mut buf).await.unwrap();
+    String::from_utf8_lossy(&buf).into_owned()
+}
+
+/// `GET /health` is exactly `ok` (200) as PegaFlow's, whatever is degraded (issue 46: it used to
+/// answer `degraded` plus a line per component, which probes comparing the body took for a
+/// failure); the state travels in `x-pegaflow-health`; `?verbose=1` shows every component
+/// (each tier, the peer path, the side channel, gRPC) with its state and reason; an unhealthy
+/// component makes the probe answer 503.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn health_is_exactly_ok_and_the_detail_is_verbose() {
+    use pegaflow_runtime::health::HealthState;
+    let srv = TestServer::start(ServerOptions::default()).await;
+    let a = srv.handle.http_addr;
+    let detail = http(a, "GET", "/health?verbose=1").await;
+    assert_eq!(detail.0, 200);
+    let lines: Vec<&str> = detail.1.lines().collect();
+    assert_eq!(lines[0], "ok", "{}", detail.1);
+    for want in [
+        "tier dram: ok; landing tier, capacity_bytes=67108864",
+        "peer: ok; none",
+        "grpc: ok; serving on 127.0.0.1:",
+        "fd channel: ok; listening at ",
+    ] {
+        assert!(
+            lines.iter().any(|l| l.starts_with(want)),
+            "{want:?} in\n{}",
+            detail.1
+        );
+    }
+    srv.handle.health.report(
+        "ssd /nvme9",
+        HealthState::Degraded,
+        "out of service: 8 write errors",
+    );
+    assert_eq!(http(a, "GET", "/health").await, (200, "ok".to_string()));
+    let raw = raw_get(a, "/health").await;
+    assert!(
+        raw.lines()
+            .any(|l| l == "x-pegaflow-health: degraded\r" || l == "x-pegaflow-health: degraded"),
+        "{raw}"
+    );
+    let (status, body) = http(a, "GET", "/health?verbose=1").await;
+    assert_eq!(status, 200);
+    assert!(
+        body.starts_with("degraded\n")
+            && body.contains("\nssd /nvme9: degraded; out of service: 8 write errors"),
+        "{body}"
+    );
+    srv.handle.health.report(
+        "grpc",
+        HealthState::Unhealthy,
+        "the gRPC server stopped: test",
+    );
+    let (status, body) = http(a, "GET", "/health").await;
+    assert_eq!(status, 503, "{body}");
+    assert!(
+        body.starts_with("unhealthy\n")
+            && body.contains("grpc: unhealthy; the gRPC server stopped"),
+        "{body}"
+    );
+}
+
+/// Without `enable_prometheus`, `/metrics` is 404 as in PegaFlow, with a body that names the
+/// flag (it used to be an empty 404).
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn metrics_off_says_how_to_turn_them_on() {
+    let srv = TestServer::start_with(ServerOptions::default(), |p| {
+        p.server.enable_prometheus = false;
+    })
+    .await;
+    let (status, body) = http(srv.handle.http_addr, "GET", "/metrics").await;
+    assert_eq!(status, 404);
+    assert_eq!(body.lines().count(), 1, "{body}");
+    assert!(body.contains("--enable-prometheus"), "{body}");
+    assert_eq!(
+        http(srv.handle.http_addr, "GET", "/health").await,
+        (200, "ok".to_string())
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn endpoints_answer_with_pegaflow_fields() {
     let srv = TestServer::start(ServerOptions::default()).await;

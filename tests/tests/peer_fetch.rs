@@ -515,8 +515,12 @@ async fn simultaneous_mutual_fetches_both_land() {
         load_exact(&mut wb, &sb.lease, 20, &ha).await;
     }
     assert!(a.alive() && b.alive());
-    assert!(a.get("/health").is_some_and(|h| h.starts_with("ok")));
-    assert!(b.get("/health").is_some_and(|h| h.starts_with("ok")));
+    assert!(a
+        .get("/health?verbose=1")
+        .is_some_and(|h| h.lines().next() == Some("ok")));
+    assert!(b
+        .get("/health?verbose=1")
+        .is_some_and(|h| h.lines().next() == Some("ok")));
 }
 
 /// The source restarts on the same gRPC address with a new data port: the requester's pooled

@@ -11,7 +11,8 @@ use super::{
     parse_size, validate_log_level, AdminAllow, FdChannelConfig, PipelineConfig, PluginConfig,
 };
 use crate::plugin::{
-    declared_flags, DeclaredFlag, FlagValue, RegistrarFactory, Section, TransportFactory,
+    declared_flags, peer_service_factory, DeclaredFlag, DefaultPeerPath, FlagValue,
+    RegistrarFactory, Section, TransportFactory,
 };
 
 /// The smallest size a size flag takes as a bare number of bytes: a bare `30` is far more
@@ -63,9 +64,12 @@ pub struct Flags {
     /// `--check-config` refuses is refused here too.
     #[arg(long)]
     pub print_config: bool,
-    /// Check the pipeline (file + flags): addresses, every kind, layer and backend setting
-    /// key; print the tiers, transports and registrars that will run, then exit (0 when valid,
-    /// 2 when not). Binds no port and allocates no pool.
+    /// Check the pipeline (file + flags): addresses, every kind, layer and backend setting;
+    /// then the start-up checks that need no side effect (ports free, the side channel's and
+    /// the SSD paths' directories creatable, huge pages available), listing what only
+    /// start-up can find. Prints what will run, then exits: 0 when start-up would pass these
+    /// checks, 2 for a configuration error, 1 when start-up would fail. Creates, maps and
+    /// connects nothing.
     #[arg(long)]
     pub check_config: bool,
 
@@ -389,7 +393,15 @@ fn flag_targets<'p>(p: &'p mut PipelineConfig, d: &DeclaredFlag) -> Vec<&'p mut 
 impl Cli {
     /// Loads the pipeline (file or embedded default) and applies the flags on top.
     pub fn pipeline(&self) -> anyhow::Result<PipelineConfig> {
+        self.pipeline_and_notes().map(|(p, _)| p)
+    }
+
+    /// [`Self::pipeline`], and what start-up should log about what the flags added on their
+    /// own (the default peer path of a directory flag, [`DefaultPeerPath`]).
+    pub fn pipeline_and_notes(&self) -> anyhow::Result<(PipelineConfig, Vec<String>)> {
         let a = &self.flags;
+        let mut notes = Vec::new();
+        let mut directory_flag = None;
         let mut p = match &a.config {
             Some(path) => {
                 let text = std::fs::read_to_string(path)
@@ -477,6 +489,7 @@ impl Cli {
             }
             if d.flag.adds_entry && d.section == Section::Directory && p.directory.is_none() {
                 p.directory = Some(crate::cluster::DirectoryConfig::of_kind(d.kind));
+                directory_flag = Some(d.flag.long);
             }
             let targets = flag_targets(&mut p, d);
             if targets.is_empty() {
@@ -510,6 +523,9 @@ impl Cli {
         if let Some(d) = &p.directory {
             d.validate()?;
         }
+        if let (Some(flag), None) = (directory_flag, &p.peer) {
+            notes.push(add_default_peer(&mut p, flag)?);
+        }
         if let Some(h) = a.hint_value_size {
             if h == 0 {
                 bail!("--hint-value-size must be > 0");
@@ -536,7 +552,7 @@ impl Cli {
         p.server.validate()?;
         p.store.validate()?;
         validate_log_level(&p.server.log_level)?;
-        Ok(p)
+        Ok((p, notes))
     }
 
     /// What start-up should log about accepted flags that change nothing in this build (they
@@ -554,6 +570,44 @@ impl Cli {
         }
         v
     }
+}
+
+/// Adds the binary's default peer path ([`DefaultPeerPath`]) to a pipeline that `--{flag}` (a
+/// directory flag) joined to a cluster with no `[peer]`, listening on the host of `--addr`
+/// with port 0; returns the start-up note saying so.
+///
+/// # Errors
+/// The binary names no default peer path, or its kind is not linked: the flag alone would
+/// advertise blocks no peer can fetch from here.
+fn add_default_peer(p: &mut PipelineConfig, flag: &str) -> anyhow::Result<String> {
+    let Some(d) = inventory::iter::<DefaultPeerPath>().next() else {
+        bail!(
+            "--{flag} lists this node's blocks in the cluster's directory, and nothing would serve them to peers: this binary has no default peer path; give a cross-node transport's flag (--nics for RDMA) or a [peer] table (--list-plugins lists the kinds)"
+        );
+    };
+    peer_service_factory(d.kind).with_context(|| {
+        format!(
+            "--{flag}: the default peer path {:?} is not linked into this binary",
+            d.kind
+        )
+    })?;
+    let host = p
+        .server
+        .addr
+        .rsplit_once(':')
+        .map_or(p.server.addr.as_str(), |(h, _)| h);
+    let addr = format!("{host}:0");
+    let mut settings = toml::Table::new();
+    settings.insert(d.addr_setting.into(), toml::Value::String(addr.clone()));
+    p.peer = Some(PluginConfig {
+        kind: d.kind.into(),
+        layers: Vec::new(),
+        settings,
+    });
+    Ok(format!(
+        "--{flag} without a peer path (--nics, --{}): peers fetch this node's blocks, and it theirs, over {} with its data port on {addr} (the host of --addr, any free port; peers learn it in the handshake); give --{} to choose it",
+        d.addr_flag, d.kind, d.addr_flag
+    ))
 }
 
 impl Flags {

@@ -11,6 +11,7 @@ use serde::{Deserialize, Serialize};
 use crate::plugin::{RegistrarFactory, TransportFactory};
 
 mod cli;
+mod preflight;
 #[cfg(test)]
 mod tests;
 
@@ -621,8 +622,8 @@ impl PipelineConfig {
         Ok(())
     }
 
-    /// What `--check-config` prints: the backends that will run, in order, and the
-    /// addresses.
+    /// What will run, as `--check-config` prints it below its headline
+    /// ([`Self::render_check`]): the addresses and the backends, in order.
     pub fn describe(&self) -> String {
         use std::fmt::Write;
         let entry = |e: &PluginConfig| {
@@ -645,7 +646,6 @@ impl PipelineConfig {
             None => format!("{} (every linked kind)", linked.join(", ")),
         };
         let mut o = String::new();
-        let _ = writeln!(o, "pipeline is valid");
         let _ = writeln!(o, "  grpc addr:   {}", self.server.addr);
         let _ = writeln!(o, "  http addr:   {}", self.server.http_addr);
         let _ = writeln!(o, "  log level:   {}", self.server.log_level);

@@ -12,6 +12,7 @@ mod directory;
 mod layer;
 mod peer;
 mod pool;
+mod preflight;
 mod registrar;
 mod tier;
 mod transport;
@@ -27,10 +28,13 @@ pub use layer::{
     LayerFactory, TierLayerBuild, TransportLayerBuild,
 };
 pub use peer::{
-    known_peer_services, peer_service_factory, PeerDataError, PeerDataPath, PeerFetcher, PeerRead,
-    PeerService, PeerServiceBuild, PeerServiceFactory, RemoteRange,
+    known_peer_services, peer_service_factory, DefaultPeerPath, PeerDataError, PeerDataPath,
+    PeerFetcher, PeerRead, PeerService, PeerServiceBuild, PeerServiceFactory, RemoteRange,
 };
 pub use pool::{HostPool, HostRegion};
+pub use preflight::{
+    can_create_in, can_read_write, creatable, preflights, Preflight, PreflightReport,
+};
 pub use registrar::{
     ImportRequest, LayerRegion, NativeAllocationSpec, NativeImport, NativeImportV2,
     NativeTensorView, NativeView, PayloadCarrier, PayloadScheme, Registrar, RegistrarError,

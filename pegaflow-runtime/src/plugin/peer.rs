@@ -195,6 +195,25 @@ pub struct PeerServiceFactory {
 
 inventory::collect!(PeerServiceFactory);
 
+/// The peer path a binary serves when a directory flag (`--metaserver-addr`) joins the node to
+/// a cluster and the command line names none (no `--nics`, no `[peer]`): without one the node
+/// would advertise blocks that no peer can fetch from it. The peer kind's table gets one
+/// setting, its listen address: the host of `--addr` (the address peers already reach this
+/// node at) with port 0 (any free port; peers learn it in the handshake). A binary submits at
+/// most one with `inventory::submit!` (`pegaflow-server` names its TCP path); in a binary
+/// without one, such a directory flag alone is refused with a message.
+#[derive(Debug)]
+pub struct DefaultPeerPath {
+    /// The `[peer]` kind, e.g. `tcp`; a linked [`PeerServiceFactory`] of that kind.
+    pub kind: &'static str,
+    /// The setting that takes the listen address, e.g. `data_addr`.
+    pub addr_setting: &'static str,
+    /// The flag that sets it, named in the start-up note, e.g. `peer-data-addr`.
+    pub addr_flag: &'static str,
+}
+
+inventory::collect!(DefaultPeerPath);
+
 /// Peer-delegate kinds linked into this binary, sorted, comma-separated.
 pub fn known_peer_services() -> String {
     super::known(inventory::iter::<PeerServiceFactory>(), |f| f.kind)

@@ -106,8 +106,8 @@ pub struct Node {
 }
 
 impl Node {
-    /// Starts a node and waits (≤ 20 s) until `/health` says `ok` (the directory reached,
-    /// when there is one).
+    /// Starts a node and waits (≤ 20 s) until `/health?verbose=1` says `ok` (the directory
+    /// reached, when there is one).
     ///
     /// A port [`free_port`] handed out can be taken before the server binds it (tests run
     /// in parallel): a node that exits at start saying the address is in use is started
@@ -208,13 +208,14 @@ impl Node {
         }
     }
 
-    /// Waits until `/health` says `ok`; `Err` if the process exited first (reaped);
-    /// panics with the log after `within`.
+    /// Waits until `/health?verbose=1` says `ok` on its first line (every component ok, the
+    /// directory reached); `Err` if the process exited first (reaped); panics with the log
+    /// after `within`.
     fn wait_healthy(&mut self, within: Duration) -> Result<(), ()> {
         let end = Instant::now() + within;
         loop {
-            if let Some(body) = self.get("/health") {
-                if body.starts_with("ok") {
+            if let Some(body) = self.get("/health?verbose=1") {
+                if body.lines().next() == Some("ok") {
                     return Ok(());
                 }
             }

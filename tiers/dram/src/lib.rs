@@ -28,7 +28,8 @@ use std::sync::Arc;
 use anyhow::{bail, Context};
 use pegaflow_runtime::{
     defaults_of, parse_settings, BuiltTier, ConfigSchema, FactoryFlag, FlagValue, HostBuffer,
-    HostPool, HostRegion, PluginOption, RuntimeContext, TierFactory,
+    HostPool, HostRegion, PluginOption, Preflight, PreflightReport, RuntimeContext, Section,
+    TierFactory,
 };
 use serde::{Deserialize, Serialize};
 
@@ -137,6 +138,67 @@ fn check(_what: &str, table: &toml::Table) -> anyhow::Result<()> {
     DramSettings::from_table(table)?
         .checked_capacity()
         .map(drop)
+}
+
+/// A number of `/sys/kernel/mm/hugepages/hugepages-2048kB/` (`free_hugepages`,
+/// `nr_hugepages`, `nr_overcommit_hugepages`); `None` where it cannot be read (no 2 MiB
+/// hugetlb pages in this kernel).
+fn huge_pages_2m(file: &str) -> Option<u64> {
+    std::fs::read_to_string(format!("/sys/kernel/mm/hugepages/hugepages-2048kB/{file}"))
+        .ok()?
+        .trim()
+        .parse()
+        .ok()
+}
+
+/// `--check-config`'s start-up check of a `dram` tier: the reserved huge pages
+/// `use_hugepages` needs (start-up's `MAP_HUGETLB` fails without them), and the capacity
+/// against the machine's memory (start-up's WARN).
+fn preflight(what: &str, table: &toml::Table, r: &mut PreflightReport) {
+    let Ok(settings) = DramSettings::from_table(table) else {
+        return;
+    };
+    let Ok(capacity) = settings.checked_capacity() else {
+        return;
+    };
+    if settings.use_hugepages {
+        let needed = capacity.div_ceil(HUGE_PAGE) as u64;
+        match (
+            huge_pages_2m("free_hugepages"),
+            huge_pages_2m("nr_hugepages"),
+            huge_pages_2m("nr_overcommit_hugepages"),
+        ) {
+            (Some(free), _, _) if free >= needed => r.pass(format!(
+                "{what}: use_hugepages needs {needed} free 2 MiB huge pages; the kernel has {free}"
+            )),
+            (Some(free), nr, Some(surplus)) if surplus > 0 => r.warn(format!(
+                "{what}: use_hugepages needs {needed} free 2 MiB huge pages; the kernel has {free} reserved (vm.nr_hugepages = {}) and may hand out up to {surplus} surplus ones (vm.nr_overcommit_hugepages): start-up fails if it cannot",
+                nr.unwrap_or(0)
+            )),
+            (Some(free), nr, _) => r.fail(format!(
+                "{what}: use_hugepages needs {needed} free 2 MiB huge pages for {}; the kernel has {free} (vm.nr_hugepages = {}): raise vm.nr_hugepages, or drop use_hugepages (--use-hugepages)",
+                describe_bytes(capacity as u64),
+                nr.unwrap_or(0)
+            )),
+            (None, _, _) => r.fail(format!(
+                "{what}: use_hugepages needs 2 MiB hugetlb pages, and this kernel has none (/sys/kernel/mm/hugepages/hugepages-2048kB is missing); drop use_hugepages (--use-hugepages)"
+            )),
+        }
+    } else {
+        r.pass(format!(
+            "{what}: {} of address space, committed as it is used",
+            describe_bytes(capacity as u64)
+        ));
+    }
+    if let Some(total) = physical_memory() {
+        if capacity as u64 > total {
+            r.warn(format!(
+                "{what}: capacity {} exceeds this machine's physical memory {}: start-up works (the pool is committed lazily), but filling it will swap or meet the OOM killer",
+                describe_bytes(capacity as u64),
+                describe_bytes(total)
+            ));
+        }
+    }
 }
 
 /// `MemTotal` of `/proc/meminfo`, in bytes; `None` where it cannot be read.
@@ -386,6 +448,14 @@ inventory::submit! {
         ],
         default_landing: true,
         build,
+    }
+}
+
+inventory::submit! {
+    Preflight {
+        section: Section::Tier,
+        kind: "dram",
+        check: preflight,
     }
 }
 

@@ -238,6 +238,7 @@ impl Dir {
                 std::fs::create_dir_all(path).with_context(|| {
                     format!("cannot create the SSD cache directory {}", path.display())
                 })?;
+                tracing::info!(path = %path.display(), "created the SSD cache directory (and its missing parents)");
                 false
             }
             Err(e) => {

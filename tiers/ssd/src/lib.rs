@@ -32,6 +32,7 @@ pub mod dir;
 pub mod format;
 pub mod io;
 pub mod metrics;
+mod preflight;
 mod ratelog;
 pub mod store;
 pub mod verify;
@@ -529,6 +530,14 @@ inventory::submit! {
         ],
         default_landing: false,
         build,
+    }
+}
+
+inventory::submit! {
+    pegaflow_runtime::Preflight {
+        section: pegaflow_runtime::Section::Tier,
+        kind: "ssd",
+        check: preflight::preflight,
     }
 }
 

@@ -1,11 +1,12 @@
 //! `pegaflow-transport-rdma`: cross-node block fetch by one-sided RDMA READ.
 //!
 //! Two pipeline kinds share everything but the NIC backend:
-//! - `[peer] kind = "rdma"` (cargo feature `ibverbs`, the server's `rdma`): real NICs
-//!   through libibverbs, opened at run time ([`ibverbs`]); on a machine without the
-//!   library or devices the server starts, serves locally, and reports RDMA unavailable
-//!   (log and `/health`), never panics. PegaFlow's `--nics` and `--qps-per-peer` are its
-//!   flags.
+//! - `[peer] kind = "rdma"` (cargo feature `ibverbs`, the server's `rdma`, in its default
+//!   build): real NICs through libibverbs, opened at run time ([`ibverbs`]). NICs named
+//!   (`--nics`, PegaFlow's flag) that cannot be opened, for want of the library or the
+//!   device, fail start-up naming what is missing, as a bad NIC fails PegaFlow's; with none
+//!   named (every device) a machine without RDMA serves locally and reports RDMA
+//!   unavailable (log and `/health`). Never a panic. `--qps-per-peer` is its other flag.
 //! - `[peer] kind = "rdma-emu"` (always built): the same protocol through the in-tree
 //!   emulator ([`emu`]): what CI runs, with injectable faults.
 //!
@@ -51,8 +52,9 @@ use crate::verbs::Nic;
 #[derive(Debug, Clone, Serialize, Deserialize, PartialEq, Eq)]
 #[serde(deny_unknown_fields)]
 pub struct RdmaPeerConfig {
-    /// NICs to use, by device name (`--nics`); empty: every device (the emulator: one,
-    /// `emu0`). Counts may differ between nodes.
+    /// NICs to use, by device name (`--nics`; an entry may hold several, separated by commas
+    /// or spaces); empty: every device (the emulator: one, `emu0`). Counts may differ between
+    /// nodes. Named NICs that cannot be opened fail start-up (`rdma`).
     #[serde(default)]
     pub nics: Vec<String>,
     /// Reliable-connected queue pairs per local NIC per peer (`--qps-per-peer`).
@@ -152,7 +154,10 @@ impl RdmaPeerConfig {
         if self.qps_per_peer == 0 || self.qps_per_peer > 64 {
             anyhow::bail!("{what}: qps_per_peer must be 1..=64");
         }
-        if self.nics.len() > codec::MAX_NICS {
+        let names = self
+            .nic_names()
+            .map_err(|e| anyhow::anyhow!("{what}: nics (--nics): {e}"))?;
+        if names.len() > codec::MAX_NICS {
             anyhow::bail!("{what}: at most {} NICs", codec::MAX_NICS);
         }
         if !(4096..=1 << 30).contains(&self.max_wr_bytes) {
@@ -183,15 +188,26 @@ impl RdmaPeerConfig {
         }
     }
 
-    /// `nics` with comma-separated entries split (`--nics mlx5_0,mlx5_1`).
-    fn nic_names(&self) -> Vec<String> {
-        self.nics
-            .iter()
-            .flat_map(|n| n.split(','))
-            .map(str::trim)
-            .filter(|n| !n.is_empty())
-            .map(str::to_owned)
-            .collect()
+    /// `nics` as device names: each entry split at commas and whitespace and trimmed, as
+    /// PegaFlow reads `--nics` (`--nics mlx5_0,mlx5_1`, `--nics "mlx5_0 mlx5_1"`,
+    /// `--nics mlx5_0 mlx5_1`).
+    ///
+    /// # Errors
+    /// An empty name (an empty entry, or nothing between two commas), as PegaFlow refuses it.
+    pub fn nic_names(&self) -> Result<Vec<String>, String> {
+        let mut out = Vec::new();
+        for entry in &self.nics {
+            for part in entry.split(',') {
+                let names: Vec<&str> = part.split_whitespace().collect();
+                if names.is_empty() {
+                    return Err(format!(
+                        "an empty NIC name in {entry:?} (names are separated by commas or spaces)"
+                    ));
+                }
+                out.extend(names.into_iter().map(str::to_owned));
+            }
+        }
+        Ok(out)
     }
 }
 
@@ -493,7 +509,9 @@ fn build_emu(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Pe
     let metrics = PeerMetrics::new(ctx.metrics.registry());
     let locks = new_locks(&c, &metrics);
     let id = format!("pegaflow-rdma-{}", uuid::Uuid::new_v4());
-    let mut names = c.nic_names();
+    let mut names = c
+        .nic_names()
+        .map_err(|e| anyhow::anyhow!("rdma-emu peer: {e}"))?;
     if names.is_empty() {
         names.push("emu0".into());
     }
@@ -536,7 +554,7 @@ fn build_emu(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn Pe
 macro_rules! common_options {
     ($($extra:expr),* $(,)?) => {
         &[
-            PluginOption { name: "nics", help: "NICs to use by device name (the rdma kind's --nics); empty: every device (rdma-emu: one, emu0); counts may differ between nodes" },
+            PluginOption { name: "nics", help: "NICs to use by device name, separated by commas or spaces (the rdma kind's --nics; named ones that cannot be opened fail start-up); empty: every device (rdma-emu: one, emu0); counts may differ between nodes" },
             PluginOption { name: "qps_per_peer", help: "queue pairs per local NIC per peer (the rdma kind's --qps-per-peer, 1..=64)" },
             PluginOption { name: "fetch", help: "whether this node fetches from peers (needs a [directory]); false: serve only" },
             PluginOption { name: "lock_lease_ms", help: "a transfer lock's lease in ms (one-sided reads do not renew it: keep it above the requesters' fetch_timeout_ms)" },
@@ -580,12 +598,23 @@ fn build_verbs(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn 
     let metrics = PeerMetrics::new(ctx.metrics.registry());
     let locks = new_locks(&c, &metrics);
     let id = format!("pegaflow-rdma-{}", uuid::Uuid::new_v4());
-    let nics = ibverbs::open(&c.nic_names(), c.gid_index as u8)
+    let names = c
+        .nic_names()
+        .map_err(|e| anyhow::anyhow!("rdma peer: {e}"))?;
+    let nics = ibverbs::open(&names, c.gid_index as u8)
         .map(|v| v.into_iter().map(|n| n as Arc<dyn Nic>).collect())
         .map_err(|e| match e {
             verbs::VerbsError::Unavailable(why) => why,
             other => other.to_string(),
         });
+    // NICs named (`--nics`, as PegaFlow's deployments pass it): one that cannot be opened
+    // fails start-up, as a bad NIC fails PegaFlow's. Without names ("every device"), a
+    // machine without RDMA serves locally and reports RDMA unavailable.
+    if let (false, Err(why)) = (names.is_empty(), &nics) {
+        anyhow::bail!(
+            "rdma peer: cannot open the NICs {names:?} (--nics): {why}. NICs named must open (`ibv_devices` lists this machine's); leave --nics out to serve without RDMA"
+        );
+    }
     assemble(
         Parts {
             kind: "rdma",
@@ -605,7 +634,7 @@ fn build_verbs(t: &toml::Table, ctx: &RuntimeContext) -> anyhow::Result<Arc<dyn 
 inventory::submit! {
     PeerServiceFactory {
         kind: "rdma",
-        summary: "cross-node block fetch by one-sided RDMA READ from the holder's registered pool (libibverbs, loaded at run time: without it or without devices the server starts and reports RDMA unavailable)",
+        summary: "cross-node block fetch by one-sided RDMA READ from the holder's registered pool (libibverbs, loaded at run time: NICs named that cannot be opened fail start-up; with none named, a machine without RDMA serves locally and reports RDMA unavailable)",
         config: ConfigSchema {
             defaults: pegaflow_runtime::defaults_of::<RdmaPeerConfig>,
             check: |w, t| parse_settings::<RdmaPeerConfig>(w, t)?.check(w),
@@ -615,7 +644,7 @@ inventory::submit! {
             pegaflow_runtime::FactoryFlag {
                 long: "nics",
                 value_name: "NIC",
-                help: "RDMA NICs for cross-node fetch, by device name (PegaFlow's flag; adds [peer] kind \"rdma\"; fetching needs a directory, e.g. --metaserver-addr)",
+                help: "RDMA NICs for cross-node fetch, by device name, separated by commas or spaces (PegaFlow's flag; adds [peer] kind \"rdma\"; start-up fails when one cannot be opened, e.g. without libibverbs; fetching needs a directory, e.g. --metaserver-addr)",
                 setting: "nics",
                 value: pegaflow_runtime::FlagValue::TextList,
                 adds_entry: true,

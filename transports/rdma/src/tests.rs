@@ -569,6 +569,41 @@ fn settings_are_checked_and_documented() {
     assert!((f.config.check)("p", &t).is_ok());
 }
 
+/// `nics` reads as PegaFlow's `--nics`: names separated by commas and/or spaces, trimmed, in
+/// one entry or several; an empty name is an error (it used to be dropped silently).
+#[test]
+fn nic_names_split_at_commas_and_spaces_and_refuse_empty_names() {
+    let names = |v: &[&str]| {
+        crate::RdmaPeerConfig {
+            nics: v.iter().map(|s| s.to_string()).collect(),
+            ..Default::default()
+        }
+        .nic_names()
+    };
+    let want = |v: &[&str]| Ok(v.iter().map(|s| s.to_string()).collect::<Vec<_>>());
+    assert_eq!(names(&[]), want(&[]), "none named: every device");
+    assert_eq!(names(&["mlx5_0,mlx5_1"]), want(&["mlx5_0", "mlx5_1"]));
+    assert_eq!(names(&["mlx5_0 mlx5_1"]), want(&["mlx5_0", "mlx5_1"]));
+    assert_eq!(names(&[" mlx5_0 , mlx5_1 "]), want(&["mlx5_0", "mlx5_1"]));
+    assert_eq!(
+        names(&["mlx5_0", "mlx5_1,mlx5_2"]),
+        want(&["mlx5_0", "mlx5_1", "mlx5_2"])
+    );
+    for bad in [
+        &[""][..],
+        &["mlx5_0,"],
+        &["mlx5_0,,mlx5_1"],
+        &["mlx5_0", " "],
+    ] {
+        let e = names(bad).unwrap_err();
+        assert!(e.contains("an empty NIC name"), "{bad:?}: {e}");
+    }
+    let f = pegaflow_runtime::peer_service_factory("rdma-emu").unwrap();
+    let t: toml::Table = toml::from_str("nics = [\"emu0,\"]").unwrap();
+    let e = (f.config.check)("p", &t).unwrap_err().to_string();
+    assert!(e.contains("empty NIC name"), "{e}");
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn ranges_contiguous_on_both_sides_are_coalesced_into_few_reads() {
     let holder = node("h", 1, 1, &settings(), 7);
