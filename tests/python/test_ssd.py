@@ -242,7 +242,7 @@ def test_loading_then_ready_without_restart(io, fresh_server, tmp_path, uid, hos
         cfg = tmp_path / "pipeline.toml"
         cfg.write_text(pipeline(ssd, io=io))
         server = fresh_server(pool_size=POOL, extra_args=["--config", str(cfg)])
-        assert f"io={io}" in server.get("/health")[1]
+        assert f"io={io}" in server.get("/health?verbose=1")[1]
     client = EngineRpcClient(server.endpoint)
     kv = host_kv()
     ok, msg = kv.register(server, uid, "ns-" + uid)
@@ -350,14 +350,16 @@ def test_layout_guard(fresh_server, tmp_path, uid, host_kv):
 def test_health_shows_the_ssd_tier(fresh_server, tmp_path):
     ssd = tmp_path / "ssd"
     server = start_ssd_server(fresh_server, ssd)
-    status, body = server.get("/health")
+    # The probe answers exactly `ok`, as PegaFlow's; the detail is `?verbose=1`.
+    assert server.get("/health") == (200, "ok")
+    status, body = server.get("/health?verbose=1")
     assert status == 200, (status, body)
     lines = body.split("\n")
     assert lines[0] == "ok", body
     ssd_lines = [l for l in lines[1:] if l.startswith("ssd ")]
     assert ssd_lines, body
     line = next((l for l in ssd_lines if str(ssd) in l), None)
-    assert line is not None, f"no /health line names {ssd}:\n{body}"
+    assert line is not None, f"no /health?verbose=1 line names {ssd}:\n{body}"
     assert "io=" in line, line
     assert line.startswith(f"ssd {ssd}: ok;"), line
     assert metric(server, "pegaflow_ssd_io_engine") == 1

@@ -363,13 +363,18 @@ pub async fn refusal_discards_the_pending_descriptor(m: &RegistrarMaker) {
     );
     assert_eq!(c.ch.stats().discarded, 1);
     // The resend is accepted at once, not rejected as a duplicate.
-    let Some(mem) = client_or_skip(m, instance, dev, 1 << 20) else {
-        let again = unmapped_memfd(instance, 1 << 20);
-        send(c.ch.path(), instance, dev, again.as_fd());
-        wait_pending(&c.ch, 1).await;
-        assert_eq!(c.ch.stats().rejected_duplicate, 0);
-        crate::skip_part!("the import after the resend (no client memory here)");
-        return;
+    // The refusal part ran; without client memory only the import after the resend is left
+    // out (a part, not the whole test).
+    let mem = match (m.client)(instance, dev, 1 << 20) {
+        Ok(mem) => mem,
+        Err(why) => {
+            let again = unmapped_memfd(instance, 1 << 20);
+            send(c.ch.path(), instance, dev, again.as_fd());
+            wait_pending(&c.ch, 1).await;
+            assert_eq!(c.ch.stats().rejected_duplicate, 0);
+            crate::skip_part!("the import after the resend: {why}");
+            return;
+        }
     };
     let len = mem.len_bytes();
     mem.write(0, &pattern(5, len as usize));
