@@ -811,7 +811,7 @@ async fn a_client_holding_1100_idle_data_connections_locks_no_peer_out() {
         return;
     };
     if !enough_descriptors(4096) {
-        println!("SKIP: {TEST}: RLIMIT_NOFILE's hard limit is below 4096");
+        pegaflow_tests::skip!("RLIMIT_NOFILE's hard limit is below 4096");
         return;
     }
     let o = env.opts("flood");

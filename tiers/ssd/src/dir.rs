@@ -725,7 +725,7 @@ mod tests {
         {
             Ok(c) => c,
             Err(e) => {
-                eprintln!("SKIPPED: the other-process half needs flock(1): {e}");
+                pegaflow_tests::skip_part!("the other-process half needs flock(1): {e}");
                 return;
             }
         };

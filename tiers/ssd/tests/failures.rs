@@ -3,7 +3,7 @@
 //! until space comes back; a capacity cut below the configured figure is logged with both
 //! figures; two stores on one filesystem share its free space; one truncated segment loses
 //! its own blocks, not the whole path; a store directory replaced while in use leaves
-//! service. Tests that need root (tmpfs mounts) print `SKIPPED:` with the reason where they
+//! service. Tests that need root (tmpfs mounts) report themselves skipped (`pegaflow_tests::skip!`) with the reason where they
 //! cannot run.
 
 mod common;
@@ -30,7 +30,7 @@ async fn a_full_filesystem_is_logged_and_shown_until_space_returns() {
     let fs = match Tmpfs::mount("16m") {
         Ok(m) => m,
         Err(why) => {
-            eprintln!("SKIPPED: a_full_filesystem_is_logged: needs root to mount a tmpfs: {why}");
+            pegaflow_tests::skip!("needs root to mount a tmpfs: {why}");
             return;
         }
     };
@@ -227,7 +227,7 @@ async fn two_stores_on_one_filesystem_share_its_free_space() {
     let fs = match Tmpfs::mount("24m") {
         Ok(m) => m,
         Err(why) => {
-            eprintln!("SKIPPED: two_stores_on_one_filesystem: needs root to mount a tmpfs: {why}");
+            pegaflow_tests::skip!("needs root to mount a tmpfs: {why}");
             return;
         }
     };

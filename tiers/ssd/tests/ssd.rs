@@ -1,6 +1,6 @@
 //! The SSD tier on real files: blocks of many segments, injected I/O faults, SIGKILL during a
 //! save loop, a 4 KiB-sector device, a full filesystem, and the io_uring fallback. Tests that
-//! need root (loop devices, mounts) print `SKIPPED:` with the reason where they cannot run.
+//! need root (loop devices, mounts) report themselves skipped (`pegaflow_tests::skip!`) with the reason where they cannot run.
 
 use std::io::{BufRead, BufReader};
 use std::path::Path;
@@ -494,9 +494,7 @@ async fn a_4k_sector_device_gets_4k_alignment_and_round_trips() {
     let m = match loop_mount_4k() {
         Ok(m) => m,
         Err(why) => {
-            eprintln!(
-                "SKIPPED: a_4k_sector_device: needs root, losetup, mkfs.ext4 and mount: {why}"
-            );
+            pegaflow_tests::skip!("needs root, losetup, mkfs.ext4 and mount: {why}");
             return;
         }
     };

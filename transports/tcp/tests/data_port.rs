@@ -532,7 +532,7 @@ async fn nothing_left(src: &Source, tasks: usize) {
 #[tokio::test]
 async fn one_requester_holding_1100_idle_connections_locks_no_new_peer_out() {
     if !enough_descriptors(4096) {
-        println!("SKIP: one_requester_holding_1100_idle_connections_locks_no_new_peer_out: RLIMIT_NOFILE's hard limit is below 4096");
+        pegaflow_test_skip::skip!("RLIMIT_NOFILE's hard limit is below 4096");
         return;
     }
     // A current-thread runtime: every task of the port logs through this subscriber.
@@ -615,7 +615,7 @@ async fn one_requester_holding_1100_idle_connections_locks_no_new_peer_out() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_full_port_evicts_idle_connections_for_a_new_peer() {
     if !enough_descriptors(4096) {
-        println!("SKIP: a_full_port_evicts_idle_connections_for_a_new_peer: RLIMIT_NOFILE's hard limit is below 4096");
+        pegaflow_test_skip::skip!("RLIMIT_NOFILE's hard limit is below 4096");
         return;
     }
     let tasks = tokio::runtime::Handle::current()
