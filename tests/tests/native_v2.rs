@@ -97,7 +97,7 @@ fn open_fds() -> std::collections::BTreeMap<String, String> {
         .collect()
 }
 
-/// Waits (10 s at most) until no more descriptors are open than in `before`; the panic names
+/// Waits (30 s at most) until no more descriptors are open than in `before`; the panic names
 /// the descriptors opened since, so that a failure says what stayed open.
 async fn wait_fds_closed(what: &str, before: &std::collections::BTreeMap<String, String>) {
     wait_until(
@@ -132,9 +132,10 @@ async fn wait_for(what: &str, pred: impl FnMut() -> bool) {
     wait_until(|| what.to_string(), pred).await
 }
 
-/// Polls `pred` every 10 ms for at most 10 s; the panic message is `what()`, made at the end.
+/// Polls `pred` every 10 ms for at most 30 s (a loaded CI machine takes seconds to tear down
+/// a server's connections and runtime); the panic message is `what()`, made at the end.
 async fn wait_until(what: impl FnOnce() -> String, mut pred: impl FnMut() -> bool) {
-    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(10);
+    let deadline = std::time::Instant::now() + std::time::Duration::from_secs(30);
     while !pred() {
         if std::time::Instant::now() >= deadline {
             panic!("{}", what());
