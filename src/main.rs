@@ -22,7 +22,7 @@ use pegaflow_transport_tcp as _;
 // blocks that no peer could fetch from this node.
 #[cfg(feature = "tcp")]
 inventory::submit! {
-    pegaflow_runtime::DefaultPeerPath {
+    pegaflow_plugin::DefaultPeerPath {
         kind: "tcp",
         addr_setting: "data_addr",
         addr_flag: "peer-data-addr",

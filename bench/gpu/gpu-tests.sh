@@ -4,7 +4,7 @@
 # Prints each binary's failures and its result line.
 #
 # The test binaries come from a build here, stripped into this folder as t-NAME:
-#   cargo test --release -p pegaflow-transport-cuda --no-run
+#   cargo test --release -p pegaflow-transport-cuda -p pegaflow-tests --no-run
 #   for t in gpu vmm_gpu server_gpu conformance native_v2_gpu; do
 #     strip -o .gpu/t-$t $(ls -t target/release/deps/$t-* | grep -v '\.d$' | head -1); done
 d=$(cd "$(dirname "$0")" && pwd)

@@ -1,4 +1,4 @@
-//! Cross-node block directory backends (the runtime's [`pegaflow_runtime::Directory`]
+//! Cross-node block directory backends (the runtime's [`pegaflow_plugin::Directory`]
 //! contract), each registered through `inventory` as a `[directory]` kind:
 //! - `memory` ([`memory::MemoryDirectory`]): one process's map, PegaFlow's MetaServer
 //!   semantics; what `pegaflow-metaserver` serves by default;

@@ -9,7 +9,7 @@
 //! machine's memory). Must never look at directory state: a refused request has changed
 //! nothing.
 //!
-//! The figures are the storage server's own (`pegaflow_runtime::decode`), so a bound is the
+//! The figures are the storage server's own (`pegaflow_api::limits`), so a bound is the
 //! same whichever service a client talks to: a namespace of at most
 //! [`MAX_NAMESPACE_BYTES`], block hashes of [`MIN_HASH_BYTES`] to [`MAX_HASH_BYTES`] bytes and
 //! at most [`MAX_BLOCKS_PER_LIST`] of them per request, node addresses and session ids of at
@@ -17,11 +17,11 @@
 
 use std::sync::OnceLock;
 
-pub use pegaflow_runtime::decode::{
+pub use pegaflow_api::echo::echo;
+pub use pegaflow_api::limits::{
     MAX_BLOCKS_PER_LIST, MAX_HASH_BYTES, MAX_NAMESPACE_BYTES, MAX_PEER_ID_BYTES, MIN_HASH_BYTES,
 };
-pub use pegaflow_runtime::error::echo;
-use pegaflow_runtime::{DirectoryError, NodeId};
+use pegaflow_plugin::{DirectoryError, NodeId};
 
 /// Longest node address (`node`, `exclude_node`), in bytes.
 pub const MAX_NODE_ADDR_BYTES: usize = MAX_PEER_ID_BYTES;

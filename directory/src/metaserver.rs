@@ -21,13 +21,13 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_proto as pb;
-use pegaflow_proto::meta_server_client::MetaServerClient;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError, DirectoryFactory,
     FactoryFlag, FlagValue, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix, PluginOption,
     RuntimeContext,
 };
+use pegaflow_proto as pb;
+use pegaflow_proto::meta_server_client::MetaServerClient;
 use serde::{Deserialize, Serialize};
 use tonic::transport::{Channel, Endpoint};
 

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use pegaflow_directory::memory::MemoryDirectory;
-use pegaflow_runtime::{directory_factory, Directory, NodeId, RuntimeContext};
+use pegaflow_plugin::{directory_factory, Directory, NodeId, RuntimeContext};
 use pegaflow_tests::directory_suite::{
     fields_past_their_bounds_are_invalid, run_all, DirectoryFixture,
 };

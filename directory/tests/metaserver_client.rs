@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pegaflow_directory::metaserver::{MetaServerConfig, MetaServerDirectory};
-use pegaflow_runtime::{Directory, DirectoryError, NodeId};
+use pegaflow_plugin::{Directory, DirectoryError, NodeId};
 use pegaflow_tests::directory_suite::{
     fields_past_their_bounds_are_invalid, run_all, DirectoryFixture,
 };

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pegaflow_directory::redis_dir::{RedisConfig, RedisDirectory};
-use pegaflow_runtime::{Directory, DirectoryError, NodeId, NodePrefix};
+use pegaflow_plugin::{Directory, DirectoryError, NodeId, NodePrefix};
 use pegaflow_tests::directory_suite::{
     fields_past_their_bounds_are_invalid, run_all, DirectoryFixture,
 };

@@ -14,8 +14,8 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::block::{BlockKey, BlockShape};
-use pegaflow_runtime::{
+use pegaflow_plugin::block::{BlockKey, BlockShape};
+use pegaflow_plugin::{
     defaults_of, parse_settings, BuiltTier, ConfigSchema, PluginOption, Recovered, RuntimeContext,
     Tier, TierCapabilities, TierError, TierFactory, TierGet, TierPut,
 };
@@ -26,7 +26,7 @@ use serde::{Deserialize, Serialize};
 #[serde(deny_unknown_fields)]
 pub struct HeapStoreConfig {
     /// Bytes the store may hold: a size string (`"8gb"`) or a byte count. Default `"1gb"`.
-    #[serde(default = "default_capacity", with = "pegaflow_runtime::config::size")]
+    #[serde(default = "default_capacity", with = "pegaflow_plugin::units::size")]
     pub capacity: u64,
     /// Whether a put that needs room evicts the oldest blocks (true, the default) or fails
     /// with [`TierError::Full`].

@@ -15,7 +15,7 @@ pub mod heap_store;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     parse_settings, ConfigSchema, CopyBatch, Direction, HostRegion, MemorySpace, OpParts,
     RuntimeContext, Transport, TransportError, TransportFactory,
 };

@@ -34,9 +34,7 @@ fn shipped_pipelines_parse() {
         "default.toml is the embedded default"
     );
     assert_eq!(
-        pegaflow_runtime::plugin::default_landing_tier()
-            .unwrap()
-            .kind,
+        pegaflow_plugin::default_landing_tier().unwrap().kind,
         "dram"
     );
 }
@@ -45,9 +43,9 @@ fn shipped_pipelines_parse() {
 fn every_linked_factory_documents_its_settings() {
     // Tiers (dram, heap-store), transports (memcpy, memcpy-verify), registrars (host-memfd)
     // and the runtime's layers: every default has help, every help and flag names a setting.
-    let problems = pegaflow_runtime::plugin::doc_problems();
+    let problems = pegaflow_plugin::doc_problems();
     assert!(problems.is_empty(), "{problems:#?}");
-    let listing = pegaflow_runtime::plugin::describe_plugins();
+    let listing = pegaflow_plugin::describe_plugins();
     let dram = pegaflow_tier_dram::DramSettings::default();
     assert_eq!(dram.capacity, pegaflow_tier_dram::DEFAULT_CAPACITY);
     assert!(
@@ -99,9 +97,9 @@ fn the_third_party_binary_has_the_runtime_cli() {
 
 #[test]
 fn the_third_party_kind_is_listed() {
-    let listing = pegaflow_runtime::plugin::describe_plugins();
+    let listing = pegaflow_plugin::describe_plugins();
     assert!(listing.contains("memcpy-verify"), "{listing}");
-    assert!(pegaflow_runtime::plugin::known_transports().contains("memcpy-verify"));
+    assert!(pegaflow_plugin::known_transports().contains("memcpy-verify"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -7,9 +7,10 @@
 use std::path::Path;
 use std::sync::Arc;
 
+use pegaflow_plugin::layers::AdmissionMetrics;
+use pegaflow_plugin::MetricsRegistry;
+use pegaflow_plugin::{tier_factory, BuiltTier, RuntimeContext, Tier};
 use pegaflow_runtime::config::PipelineConfig;
-use pegaflow_runtime::metrics::Metrics;
-use pegaflow_runtime::{tier_factory, BuiltTier, RuntimeContext, Tier};
 use pegaflow_tests::tier_suite::TierMaker;
 
 use pegaflow_examples as _;
@@ -23,8 +24,7 @@ fn build(entry: &str) -> Arc<dyn Tier> {
         BuiltTier::Block(t) => t,
         BuiltTier::Landing(_) => panic!("{} is a landing pool", t.kind),
     };
-    pegaflow_runtime::plugin::wrap_tier(tier, &t.layers, &Arc::new(Metrics::new()))
-        .expect("layers apply")
+    pegaflow_plugin::wrap_tier(tier, &t.layers, &MetricsRegistry::new()).expect("layers apply")
 }
 
 mod heap_store {
@@ -66,9 +66,9 @@ mod heap_store_with_layers {
 /// the next put is admitted.
 #[tokio::test]
 async fn admission_layer_admits_on_the_second_sighting() {
-    use pegaflow_runtime::TierError;
+    use pegaflow_plugin::TierError;
     use pegaflow_tests::tier_suite::{block, key};
-    let metrics = Arc::new(Metrics::new());
+    let metrics = MetricsRegistry::new();
     let p = PipelineConfig::from_toml(
         "[[tier]]\nkind = \"heap-store\"\ncapacity = \"4mb\"\nlayers = [\"admission\"]\n",
     )
@@ -79,8 +79,8 @@ async fn admission_layer_admits_on_the_second_sighting() {
     else {
         panic!("block tier")
     };
-    let tier = pegaflow_runtime::plugin::wrap_tier(inner.clone(), &t.layers, &metrics).unwrap();
-    let put = |id| pegaflow_runtime::TierPut {
+    let tier = pegaflow_plugin::wrap_tier(inner.clone(), &t.layers, &metrics).unwrap();
+    let put = |id| pegaflow_plugin::TierPut {
         key: key("ns", id),
         block: block(id, &[1024]),
     };
@@ -90,11 +90,11 @@ async fn admission_layer_admits_on_the_second_sighting() {
         "{r:?}"
     );
     assert!(inner.lookup(&[key("ns", 1)]).await.unwrap().is_empty());
-    assert_eq!(metrics.cache_block_admission_rejections.get(), 1);
+    assert_eq!(AdmissionMetrics::of(&metrics).rejections.get(), 1);
     tier.put(vec![put(1)]).await[0].clone().unwrap();
     assert_eq!(tier.lookup(&[key("ns", 1)]).await.unwrap().len(), 1);
     // A missed lookup is a sighting: the first put after it is admitted.
     assert!(tier.lookup(&[key("ns", 2)]).await.unwrap().is_empty());
     tier.put(vec![put(2)]).await[0].clone().unwrap();
-    assert_eq!(metrics.cache_block_admission_rejections.get(), 1);
+    assert_eq!(AdmissionMetrics::of(&metrics).rejections.get(), 1);
 }

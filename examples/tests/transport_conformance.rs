@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use pegaflow_runtime::{transport_factory, RuntimeContext, Transport};
+use pegaflow_plugin::{transport_factory, RuntimeContext, Transport};
 use pegaflow_tests::transport_suite::TransportMaker;
 // Links the examples' `inventory` registrations into this test binary.
 use pegaflow_examples as _;

@@ -12,12 +12,12 @@ use async_trait::async_trait;
 use pegaflow_api::client::QueryOutcome;
 use pegaflow_api::load_state::LOAD_SUCCESS;
 use pegaflow_examples::heap_store::{HeapStore, HeapStoreConfig};
-use pegaflow_runtime::block::{BlockKey, BlockShape};
-use pegaflow_runtime::config::PipelineConfig;
-use pegaflow_runtime::{
+use pegaflow_plugin::block::{BlockKey, BlockShape};
+use pegaflow_plugin::{
     BuiltTier, ConfigSchema, Recovered, RuntimeContext, Tier, TierCapabilities, TierError,
     TierFactory, TierGet, TierPut,
 };
+use pegaflow_runtime::config::PipelineConfig;
 use pegaflow_tests::harness::*;
 
 use pegaflow_examples as _;
@@ -139,7 +139,7 @@ async fn demoted_blocks_are_promoted_on_query_with_exact_bytes() {
             .handle
             .engine
             .index()
-            .contains(pegaflow_runtime::block::KeyRef {
+            .contains(pegaflow_plugin::block::KeyRef {
                 namespace: "ns",
                 group: 0,
                 hash: h,
@@ -197,7 +197,7 @@ async fn demoted_blocks_are_promoted_on_query_with_exact_bytes() {
     assert_eq!(n, 8);
     w.client.release(&lease).await.unwrap();
     // Index events told a subscriber what happened to the first block.
-    use pegaflow_runtime::store::IndexEventKind as K;
+    use pegaflow_plugin::IndexEventKind as K;
     let mut seen = Vec::new();
     while let Ok(e) = events.try_recv() {
         if *e.key.hash == *hs[0] {

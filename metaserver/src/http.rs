@@ -14,7 +14,7 @@ use axum::response::IntoResponse;
 use axum::routing::get;
 use axum::Router;
 use pegaflow_directory::memory::MemoryDirectory;
-use pegaflow_runtime::Directory;
+use pegaflow_plugin::Directory;
 
 use crate::metrics::Metrics;
 

@@ -1,6 +1,6 @@
 //! `pegaflow-metaserver`: the cross-node block directory as a service, PegaFlow's MetaServer
 //! gRPC protocol (`pegaflow.MetaServer`, `engine-wire.md` §11) with PegaFlow's flags, over any
-//! [`pegaflow_runtime::Directory`] backend:
+//! [`pegaflow_plugin::Directory`] backend:
 //! - the in-memory directory ([`pegaflow_directory::memory::MemoryDirectory`], the default),
 //!   swept every `--sweep-interval-secs`, with PegaFlow's store gauges on `/metrics`;
 //! - the Redis directory (`--redis URL`, [`pegaflow_directory::redis_dir::RedisDirectory`]):

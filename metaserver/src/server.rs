@@ -8,7 +8,7 @@ use std::time::Duration;
 use anyhow::Context;
 use pegaflow_directory::memory::{MemoryConfig, MemoryDirectory};
 use pegaflow_directory::redis_dir::{RedisConfig, RedisDirectory};
-use pegaflow_runtime::Directory;
+use pegaflow_plugin::Directory;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 

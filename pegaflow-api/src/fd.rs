@@ -49,6 +49,11 @@ pub fn send_fd(
     .map(drop)
 }
 
+/// Most allocations one native registration v2 names (the server's limit): no more than the
+/// side channel holds pending by default (1,024 descriptors), since a client files every
+/// allocation's descriptor before its registration is read.
+pub const MAX_NATIVE_ALLOCATIONS: usize = 1024;
+
 /// How long [`send_allocation_fd`] waits for the server's acknowledgement.
 pub const ACK_TIMEOUT: std::time::Duration = std::time::Duration::from_secs(10);
 

@@ -7,11 +7,13 @@
 pub mod client;
 #[cfg(feature = "cuda")]
 pub mod cuda_driver;
+pub mod echo;
 pub mod error;
 pub mod fd;
 #[cfg(feature = "cuda")]
 pub mod ipc;
 pub mod layout;
+pub mod limits;
 pub mod load_state;
 pub mod memfd;
 pub mod native;

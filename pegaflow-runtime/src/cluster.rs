@@ -251,6 +251,14 @@ struct Shared {
     health: HealthBoard,
 }
 
+/// The peer rung's question, answered by the directory: which nodes hold the continuation.
+#[async_trait::async_trait]
+impl crate::plugin::HolderLookup for ClusterDirectory {
+    async fn holders(&self, namespace: &str, hashes: &[Vec<u8>]) -> Vec<NodePrefix> {
+        self.query_prefix(namespace, 0, hashes).await
+    }
+}
+
 /// A running directory client: the publisher task and the query side. Cloning shares it.
 #[derive(Clone)]
 pub struct ClusterDirectory {

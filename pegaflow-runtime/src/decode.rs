@@ -26,31 +26,11 @@ use crate::engine::command::{
 use crate::error::{echo, EngineError, EngineResult};
 use crate::plugin::{NativeAllocationSpec, NativeTensorView, NativeView, RegistrationPayload};
 
-/// Longest `instance_id` of any request, in bytes (vLLM's are UUID-based, about 40 bytes;
-/// native ones at most 128).
-pub const MAX_INSTANCE_ID_BYTES: usize = 256;
-/// Longest `namespace` (RegisterContextBatch, Session, QueryBlocksForTransfer), in bytes.
-pub const MAX_NAMESPACE_BYTES: usize = 1024;
-/// Longest layer name (RegisterContextBatch, Save, Load), in bytes (vLLM's look like
-/// `model.layers.31.self_attn.attn`).
-pub const MAX_LAYER_NAME_BYTES: usize = 256;
-/// Most layers one request names: registered by one worker, saved by one Save, loaded by one
-/// Load (all groups together).
-pub const MAX_LAYERS_PER_REQUEST: usize = 4096;
-/// Longest QueryPrefetch `req_id`, in bytes (vLLM request ids, which a client may extend).
-pub const MAX_REQ_ID_BYTES: usize = 1024;
-/// Shortest block hash, in bytes: an empty hash names no content.
-pub const MIN_HASH_BYTES: usize = 1;
-/// Most entries of one block list: hashes of a query (own or a peer's), block ids and hashes
-/// of one saved layer, destinations of one lease's group, leases of one Load (2^20: a
-/// 16M-token prompt in 16-token blocks; 1M 32-byte hashes are 34 MiB, inside the 64 MiB
-/// message limit).
-pub const MAX_BLOCKS_PER_LIST: usize = 1 << 20;
-/// Longest `load_state_shm`, in bytes (what `LoadStateWriter::attach` opens; the published client
-/// sends `pega_load_` + 32 hex digits).
-pub const MAX_LOAD_STATE_NAME_BYTES: usize = 200;
-/// Longest id of the server-to-server RPCs (`requester_id`, `transfer_session_id`), in bytes.
-pub const MAX_PEER_ID_BYTES: usize = 256;
+pub use pegaflow_api::limits::{
+    MAX_BLOCKS_PER_LIST, MAX_INSTANCE_ID_BYTES, MAX_LAYERS_PER_REQUEST, MAX_LAYER_NAME_BYTES,
+    MAX_LOAD_STATE_NAME_BYTES, MAX_NAMESPACE_BYTES, MAX_PEER_ID_BYTES, MAX_REQ_ID_BYTES,
+    MIN_HASH_BYTES,
+};
 
 /// INVALID_ARGUMENT: `field` is `len` bytes, over `max`.
 fn too_long(field: impl std::fmt::Display, len: usize, max: usize) -> EngineError {
@@ -324,10 +304,7 @@ fn native_payload(req: &pb::RegisterContextRequest) -> EngineResult<Registration
     })
 }
 
-/// Most allocations one native registration v2 names: no more than the side channel holds
-/// pending by default ([`crate::fd_channel::FdChannelLimits`]'s `max_pending`, 1024), since a
-/// client files every allocation's descriptor before its registration is read.
-pub const MAX_NATIVE_ALLOCATIONS: usize = 1024;
+pub use pegaflow_api::fd::MAX_NATIVE_ALLOCATIONS;
 
 /// Whether the request carries any native field (v1 or v2).
 fn looks_native(req: &pb::RegisterContextRequest) -> bool {

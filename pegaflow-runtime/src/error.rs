@@ -9,53 +9,11 @@
 //! in an HTTP/2 header block, and one past the peer's header limit resets the stream or, from
 //! about 256 KB, closes the client's whole connection (and with it its Session).
 
-use std::fmt;
-
 /// Longest status message the server sends, in bytes; a longer one is cut, marked with
 /// `…(cut, N bytes)`. Far below h2's default 16 KiB header-list limit.
 pub const MAX_STATUS_MESSAGE_BYTES: usize = 1024;
 
-/// Characters of a client-supplied string an error message shows before cutting it.
-pub const ECHO_PREFIX_CHARS: usize = 64;
-
-/// A client-supplied string as error messages show it: whole when at most
-/// [`ECHO_PREFIX_CHARS`] characters, else that many followed by `…(N bytes)`. `{:?}` quotes
-/// the shown part.
-#[derive(Clone, Copy)]
-pub struct Echo<'a>(&'a str);
-
-/// Wraps a client-supplied string for an error message (see [`Echo`]).
-pub fn echo(s: &str) -> Echo<'_> {
-    Echo(s)
-}
-
-impl<'a> Echo<'a> {
-    /// The shown prefix, and whether it is the whole string.
-    fn split(&self) -> (&'a str, bool) {
-        match self.0.char_indices().nth(ECHO_PREFIX_CHARS) {
-            Some((cut, _)) => (&self.0[..cut], false),
-            None => (self.0, true),
-        }
-    }
-}
-
-impl fmt::Display for Echo<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.split() {
-            (s, true) => f.write_str(s),
-            (s, false) => write!(f, "{s}…({} bytes)", self.0.len()),
-        }
-    }
-}
-
-impl fmt::Debug for Echo<'_> {
-    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
-        match self.split() {
-            (s, true) => write!(f, "{s:?}"),
-            (s, false) => write!(f, "{s:?}…({} bytes)", self.0.len()),
-        }
-    }
-}
+pub use pegaflow_api::echo::{echo, Echo, ECHO_PREFIX_CHARS};
 
 /// `m` cut to at most [`MAX_STATUS_MESSAGE_BYTES`] (at a character boundary), the cut marked.
 pub fn cap_message(m: &str) -> std::borrow::Cow<'_, str> {

@@ -1,29 +1,25 @@
-//! `pegaflow-runtime`: the plugin runtime of the KV-cache server.
+//! `pegaflow-runtime`: the runtime of the KV-cache server.
 //!
-//! It owns the plugin contract ([`plugin`]), the pipeline and CLI ([`config`]), the engine
-//! (instances, sealing, the block index, leases, eviction, save/load orchestration:
-//! [`engine`]), the gRPC and HTTP services, the fd side channel and the metrics. It depends on
-//! no backend: backends depend on it and register through `inventory`.
+//! It owns the pipeline and CLI ([`config`]), the engine (instances, leases, save/load
+//! orchestration: [`engine`]), the tier stack ([`store`]: the block index, sealing, eviction,
+//! demotion, promotion), the gRPC and HTTP services, the directory publisher ([`cluster`])
+//! and the server's own metric families. The contract backends implement lives in
+//! `pegaflow-plugin`; the runtime depends on no backend: backends register through
+//! `inventory`, and a binary links them and calls [`main`].
 
-pub mod block;
-pub mod buffer;
 pub mod cluster;
 pub mod config;
 pub mod decode;
 pub mod engine;
 pub mod entry;
 pub mod error;
-pub mod fault;
-pub mod fd_channel;
-pub mod health;
-pub mod layers;
 pub mod metrics;
-pub mod numa;
-pub mod plugin;
 pub mod store;
 
-pub use buffer::{Extent, HostBuffer, HostMemory, ReleaseBatch};
-pub use plugin::*;
+// The contract's modules under the paths the runtime's own code uses.
+pub(crate) use pegaflow_fd_channel as fd_channel;
+pub(crate) use pegaflow_plugin as plugin;
+pub(crate) use pegaflow_plugin::{block, buffer, health};
 
 pub mod http;
 pub mod server;

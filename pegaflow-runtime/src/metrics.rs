@@ -5,15 +5,16 @@
 //! Invariants a dashboard may rely on: `cache_block_hits_total + cache_block_misses_total` =
 //! blocks asked for by group-0 queries; `pool_used_bytes <= pool_capacity_bytes`.
 
+use pegaflow_plugin::layers::AdmissionMetrics;
+use pegaflow_plugin::MetricsRegistry;
 use prometheus::{
-    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge,
-    IntGaugeVec, Opts, Registry, TextEncoder,
+    Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, IntGauge, IntGaugeVec, Opts,
 };
 
 /// Every metric family the server exports.
 #[derive(Clone)]
 pub struct Metrics {
-    registry: Registry,
+    registry: MetricsRegistry,
     /// Allocatable host-tier bytes.
     pub pool_capacity_bytes: IntGauge,
     /// Allocated host-tier bytes.
@@ -116,25 +117,8 @@ pub struct Metrics {
     pub query_answers: IntCounterVec,
     /// Promotion tasks not yet collected (this server).
     pub promotion_tasks: IntGauge,
-    /// Operations of a lower tier seen by its `metrics` layer, by tier, op and outcome.
-    pub tier_ops: IntCounterVec,
-    /// Duration of a lower tier's operations (its `metrics` layer), by tier and op.
-    pub tier_op_duration: HistogramVec,
-    /// Bytes moved by a lower tier's puts and gets (its `metrics` layer), by tier and op.
-    pub tier_op_bytes: IntCounterVec,
     /// Bytes held by each lower tier (this server).
     pub tier_used_bytes: IntGaugeVec,
-    /// Copy batches of a transport seen by its `metrics` layer, by transport, direction and
-    /// outcome.
-    pub transport_batches: IntCounterVec,
-    /// Bytes moved by a transport's successful batches (its `metrics` layer).
-    pub transport_bytes: IntCounterVec,
-    /// Duration of a transport's batches (its `metrics` layer).
-    pub transport_batch_duration: HistogramVec,
-    /// Blocks an admission layer kept out of a tier (PegaFlow's name).
-    pub cache_block_admission_rejections: IntCounter,
-    /// Blocks an admission filter let through to its tier (this server).
-    pub cache_block_admissions: IntCounter,
     /// Index events lost because a subscriber lagged (this server).
     pub index_events_lagged: IntCounter,
     /// Connections open, by listener (`grpc`, `http`) (this server).
@@ -309,13 +293,20 @@ fn exp_buckets(start: f64, factor: f64, n: usize) -> Vec<f64> {
 impl Metrics {
     /// Creates and registers every family in a fresh registry.
     pub fn new() -> Self {
-        let registry = Registry::new();
+        Self::new_in(&MetricsRegistry::new())
+    }
+
+    /// Creates and registers the runtime's families in `registry` (the one backends register
+    /// theirs in, handed to them in their `RuntimeContext`). The admission layer's families
+    /// are registered here too, so that PegaFlow's
+    /// `pegaflow_cache_block_admission_rejections_total` is served at 0 without the layer.
+    pub fn new_in(registry: &MetricsRegistry) -> Self {
+        let _ = AdmissionMetrics::of(registry);
+        let prom = registry.registry();
         macro_rules! reg {
             ($m:expr) => {{
                 let m = $m.expect("valid metric");
-                registry
-                    .register(Box::new(m.clone()))
-                    .expect("unique metric");
+                prom.register(Box::new(m.clone())).expect("unique metric");
                 m
             }};
         }
@@ -529,61 +520,9 @@ impl Metrics {
                 "pegaflow_promotion_tasks",
                 "Promotion tasks running or waiting for their re-poll"
             )),
-            tier_ops: reg!(IntCounterVec::new(
-                Opts::new(
-                    "pegaflow_tier_ops_total",
-                    "Lower-tier operations by tier, op and outcome"
-                ),
-                &["tier", "op", "outcome"]
-            )),
-            tier_op_duration: reg!(HistogramVec::new(
-                prometheus::HistogramOpts::new(
-                    "pegaflow_tier_op_duration_seconds",
-                    "Lower-tier operation duration"
-                )
-                .buckets(exp_buckets(1e-5, 4.0, 12)),
-                &["tier", "op"]
-            )),
-            tier_op_bytes: reg!(IntCounterVec::new(
-                Opts::new(
-                    "pegaflow_tier_op_bytes_total",
-                    "Bytes written (put) and read (get) by lower tiers"
-                ),
-                &["tier", "op"]
-            )),
             tier_used_bytes: reg!(IntGaugeVec::new(
                 Opts::new("pegaflow_tier_used_bytes", "Bytes held by each lower tier"),
                 &["tier"]
-            )),
-            transport_batches: reg!(IntCounterVec::new(
-                Opts::new(
-                    "pegaflow_transport_batches_total",
-                    "Copy batches by transport, direction and outcome (metrics layer)"
-                ),
-                &["transport", "direction", "outcome"]
-            )),
-            transport_bytes: reg!(IntCounterVec::new(
-                Opts::new(
-                    "pegaflow_transport_bytes_total",
-                    "Bytes moved by successful copy batches (metrics layer)"
-                ),
-                &["transport", "direction"]
-            )),
-            transport_batch_duration: reg!(HistogramVec::new(
-                prometheus::HistogramOpts::new(
-                    "pegaflow_transport_batch_duration_seconds",
-                    "Copy batch duration (metrics layer)"
-                )
-                .buckets(exp_buckets(1e-5, 4.0, 12)),
-                &["transport", "direction"]
-            )),
-            cache_block_admission_rejections: reg!(c(
-                "pegaflow_cache_block_admission_rejections_total",
-                "Blocks an admission filter kept out of a tier"
-            )),
-            cache_block_admissions: reg!(c(
-                "pegaflow_cache_block_admissions_total",
-                "Blocks an admission filter let through to a tier"
             )),
             index_events_lagged: reg!(c(
                 "pegaflow_index_events_lagged_total",
@@ -608,21 +547,18 @@ impl Metrics {
                 .buckets(exp_buckets(1e-6, 4.0, 12)),
                 &["rpc", "phase"]
             ))),
-            registry,
+            registry: registry.clone(),
         }
     }
 
-    /// The registry, to add families from a backend.
-    pub fn registry(&self) -> &Registry {
+    /// The registry these families are in (every component's).
+    pub fn registry(&self) -> &MetricsRegistry {
         &self.registry
     }
 
-    /// Renders every family in the Prometheus text format.
+    /// Renders every family of the registry in the Prometheus text format.
     pub fn render(&self) -> String {
-        let mut buf = Vec::new();
-        let enc = TextEncoder::new();
-        let _ = enc.encode(&self.registry.gather(), &mut buf);
-        String::from_utf8(buf).unwrap_or_default()
+        self.registry.render()
     }
 
     /// Records one RPC outcome.

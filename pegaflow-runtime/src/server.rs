@@ -160,11 +160,13 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         None => None,
     };
     let ctx = RuntimeContext {
-        fd_channel: fd_channel.clone(),
+        fd_channel: fd_channel
+            .clone()
+            .map(|c| c as Arc<dyn crate::plugin::SideChannel>),
         devices: pipeline.server.devices.clone(),
         numa_affinity: pipeline.server.numa_affinity,
         index_events: Default::default(),
-        metrics: metrics.clone(),
+        metrics: metrics.registry().clone(),
         health: Default::default(),
     };
     let built = build_pipeline(&pipeline, &ctx, &metrics)?;
@@ -215,7 +217,7 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
             NodeId::new_session(addr),
             config,
             engine.store().clone(),
-            engine.metrics().registry(),
+            engine.metrics().registry().registry(),
             ctx.health.clone(),
         )
     });
@@ -230,7 +232,7 @@ pub async fn start(pipeline: PipelineConfig) -> anyhow::Result<ServerHandle> {
         match &directory {
             Some(d) => {
                 tracing::info!(peer = fetcher.kind(), "peer fetch on: queries fall through DRAM → peer → lower tiers");
-                engine.store().set_peer(fetcher, d.clone());
+                engine.store().set_peer(fetcher, Arc::new(d.clone()));
             }
             None => tracing::warn!(
                 peer = fetcher.kind(),
@@ -489,7 +491,7 @@ pub fn build_pipeline(
                 t.kind
             ),
             BuiltTier::Block(b) => lower.push(
-                crate::plugin::wrap_tier(b, &t.layers, metrics)
+                crate::plugin::wrap_tier(b, &t.layers, metrics.registry())
                     .with_context(|| format!("tier {:?}", t.kind))?,
             ),
         }
@@ -508,7 +510,7 @@ pub fn build_pipeline(
                 let built = (f.build)(&t.settings, ctx)
                     .with_context(|| format!("cannot build transport {:?}", t.kind))?;
                 transports.push(
-                    crate::plugin::wrap_transport(built, &t.layers, metrics)
+                    crate::plugin::wrap_transport(built, &t.layers, metrics.registry())
                         .with_context(|| format!("transport {:?}", t.kind))?,
                 );
             }

@@ -475,7 +475,7 @@ impl pb::engine_server::Engine for EngineService {
                 // The blocks of every Save that answered before this call are sealed and
                 // indexed first, as for QueryPrefetch: a peer asking right after a Save sees it.
                 self.engine.settle().await;
-                p.query_blocks_for_transfer(self.engine.store(), req)
+                p.query_blocks_for_transfer(self.engine.block_host(), req)
                     .await
                     .map(Response::new)
             }
@@ -499,7 +499,7 @@ impl pb::engine_server::Engine for EngineService {
         ) {
             (Err(e), _) => Err(e.into()),
             (Ok(()), Some(p)) => p
-                .release_transfer_lock(self.engine.store(), req)
+                .release_transfer_lock(self.engine.block_host(), req)
                 .await
                 .map(Response::new),
             // Nothing can be locked without a delegate: releasing is a no-op success.
@@ -521,7 +521,7 @@ impl pb::engine_server::Engine for EngineService {
         let r = match (decode::check_rdma_handshake(&req), self.engine.peer()) {
             (Err(e), _) => Err(e.into()),
             (Ok(()), Some(p)) => p
-                .rdma_handshake(self.engine.store(), req)
+                .rdma_handshake(self.engine.block_host(), req)
                 .await
                 .map(Response::new),
             (Ok(()), None) => Err(Status::failed_precondition(

@@ -15,7 +15,7 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pegaflow_runtime::{Directory, DirectoryError, NodeId, NodePrefix};
+use pegaflow_plugin::{Directory, DirectoryError, NodeId, NodePrefix};
 
 /// What the suite needs from a backend's test.
 pub trait DirectoryFixture: Sync {

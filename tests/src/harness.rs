@@ -23,11 +23,11 @@ use pegaflow_transport_shm as _;
 /// # Safety
 /// Every op's two ranges are live, disjoint memory of `len` bytes, as the engine guarantees a
 /// transport until its copy future completes.
-pub unsafe fn memcpy_ops(batch: &pegaflow_runtime::CopyBatch) {
+pub unsafe fn memcpy_ops(batch: &pegaflow_plugin::CopyBatch) {
     for op in &batch.ops {
         let (src, dst) = match batch.direction {
-            pegaflow_runtime::Direction::ToHost => (op.device_addr as usize, op.host_addr),
-            pegaflow_runtime::Direction::ToDevice => (op.host_addr, op.device_addr as usize),
+            pegaflow_plugin::Direction::ToHost => (op.device_addr as usize, op.host_addr),
+            pegaflow_plugin::Direction::ToDevice => (op.host_addr, op.device_addr as usize),
         };
         // SAFETY: as the caller promises.
         unsafe { std::ptr::copy_nonoverlapping(src as *const u8, dst as *mut u8, op.len) };

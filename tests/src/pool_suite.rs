@@ -14,8 +14,8 @@
 
 use std::sync::Arc;
 
-use pegaflow_runtime::fault::FaultyPool;
-use pegaflow_runtime::{HostBuffer, HostPool};
+use pegaflow_plugin::layers::fault::FaultyPool;
+use pegaflow_plugin::{HostBuffer, HostPool};
 
 /// Builds a fresh, empty tier able to hold about `capacity_bytes` bytes (the tier may round
 /// the capacity down; the suite reads [`HostPool::capacity_bytes`]).

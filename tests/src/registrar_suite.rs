@@ -18,8 +18,8 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::future::BoxFuture;
-use pegaflow_runtime::fd_channel::{FdChannel, FdChannelLimits};
-use pegaflow_runtime::{
+use pegaflow_fd_channel::{FdChannel, FdChannelLimits};
+use pegaflow_plugin::{
     ImportRequest, LayerRegion, NativeView, PayloadCarrier, Registrar, RegistrarError,
     RegistrationPayload,
 };

@@ -14,9 +14,9 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
-use pegaflow_runtime::fault::FaultyTier;
-use pegaflow_runtime::{Extent, HostBuffer, HostMemory, Tier, TierError, TierGet, TierPut};
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::layers::fault::FaultyTier;
+use pegaflow_plugin::{Extent, HostBuffer, HostMemory, Tier, TierError, TierGet, TierPut};
 
 use crate::pool_suite::{pattern, Rng};
 

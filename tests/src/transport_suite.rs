@@ -22,8 +22,8 @@ use std::time::Duration;
 use futures::FutureExt;
 use parking_lot::Mutex;
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::fault::FaultyTransport;
-use pegaflow_runtime::{
+use pegaflow_plugin::layers::fault::FaultyTransport;
+use pegaflow_plugin::{
     CopyBatch, CopyOp, Direction, Extent, HostBuffer, HostMemory, HostRegion, MemorySpace,
     Transport,
 };

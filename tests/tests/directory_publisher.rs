@@ -12,11 +12,11 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::cluster::DirectoryConfig;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     directory_factory, ConfigSchema, Directory, DirectoryError, DirectoryFactory, HeartbeatAnswer,
     InsertAnswer, NodeId, NodePrefix, RuntimeContext,
 };
+use pegaflow_runtime::cluster::DirectoryConfig;
 use pegaflow_tests::harness::*;
 // Link the directory backends (the in-memory one is the inner store here).
 use pegaflow_directory as _;
@@ -150,7 +150,7 @@ fn resident(srv: &TestServer, h: &[u8]) -> bool {
     srv.handle
         .engine
         .store()
-        .contains(pegaflow_runtime::block::KeyRef {
+        .contains(pegaflow_plugin::block::KeyRef {
             namespace: NS,
             group: 0,
             hash: h,

@@ -10,9 +10,9 @@
 use std::future::Future;
 use std::time::{Duration, Instant};
 
+use pegaflow_plugin::NodePrefix;
 use pegaflow_runtime::cluster::DirectoryConfig;
 use pegaflow_runtime::store::TierStack;
-use pegaflow_runtime::NodePrefix;
 use pegaflow_tests::harness::*;
 use pegaflow_tests::redis::RedisServer;
 // Link the directory backends so their factories register.
@@ -188,7 +188,7 @@ impl Drop for MetaServer {
 }
 
 fn resident(store: &TierStack, h: &[u8]) -> bool {
-    store.contains(pegaflow_runtime::block::KeyRef {
+    store.contains(pegaflow_plugin::block::KeyRef {
         namespace: NS,
         group: 0,
         hash: h,

@@ -10,6 +10,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use pegaflow_plugin::*;
 use pegaflow_runtime::config::PluginConfig;
 use pegaflow_runtime::*;
 use pegaflow_tests::harness::*;
@@ -61,7 +62,7 @@ impl Transport for ReadGatedTransport {
 }
 
 inventory::submit! {
-    TransportFactory { kind: "read-gated-memcpy", summary: "test probe", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ReadGatedTransport)) }
+    TransportFactory { kind: "read-gated-memcpy", summary: "test probe", config: pegaflow_plugin::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ReadGatedTransport)) }
 }
 
 const SHAPE: KvShape = KvShape {

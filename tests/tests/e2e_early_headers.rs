@@ -9,6 +9,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
+use pegaflow_plugin::*;
 use pegaflow_proto as pb;
 use pegaflow_runtime::config::PluginConfig;
 use pegaflow_runtime::*;
@@ -58,7 +59,7 @@ impl Transport for GatedTransport {
 }
 
 inventory::submit! {
-    TransportFactory { kind: "gated-memcpy", summary: "test probe", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(GatedTransport)) }
+    TransportFactory { kind: "gated-memcpy", summary: "test probe", config: pegaflow_plugin::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(GatedTransport)) }
 }
 
 const SHAPE: KvShape = KvShape {

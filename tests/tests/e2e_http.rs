@@ -31,7 +31,7 @@ async fn raw_get(addr: std::net::SocketAddr, path: &str) -> String {
 /// component makes the probe answer 503.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn health_is_exactly_ok_and_the_detail_is_verbose() {
-    use pegaflow_runtime::health::HealthState;
+    use pegaflow_plugin::health::HealthState;
     let srv = TestServer::start(ServerOptions::default()).await;
     let a = srv.handle.http_addr;
     let detail = http(a, "GET", "/health?verbose=1").await;

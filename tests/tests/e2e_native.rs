@@ -8,6 +8,7 @@ use async_trait::async_trait;
 use pegaflow_api::client::NativeLayer;
 use pegaflow_api::memfd::HostMemfd;
 use pegaflow_api::native::NativeEngine;
+use pegaflow_plugin::*;
 use pegaflow_proto as pb;
 use pegaflow_runtime::config::PluginConfig;
 use pegaflow_runtime::*;
@@ -146,7 +147,7 @@ impl Registrar for FakeVmmRegistrar {
     }
 }
 inventory::submit! {
-    RegistrarFactory { kind: "fake-vmm", summary: "test", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(FakeVmmRegistrar)) }
+    RegistrarFactory { kind: "fake-vmm", summary: "test", config: pegaflow_plugin::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(FakeVmmRegistrar)) }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

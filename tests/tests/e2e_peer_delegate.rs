@@ -6,10 +6,9 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
+use pegaflow_plugin::{ConfigSchema, PeerService, PeerServiceFactory, RuntimeContext};
 use pegaflow_proto as pb;
 use pegaflow_runtime::config::PluginConfig;
-use pegaflow_runtime::store::TierStack;
-use pegaflow_runtime::{ConfigSchema, PeerService, PeerServiceFactory, RuntimeContext};
 use pegaflow_tests::harness::*;
 use tonic::Code;
 
@@ -24,10 +23,21 @@ impl PeerService for EchoPeer {
     }
     async fn query_blocks_for_transfer(
         &self,
-        store: &Arc<TierStack>,
+        store: &Arc<dyn pegaflow_plugin::BlockHost>,
         req: pb::QueryBlocksForTransferRequest,
     ) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status> {
-        let hits = store.dram_prefix(&req.namespace, 0, &req.block_hashes);
+        // The DRAM prefix of the asked hashes, as the delegate sees this node's host DRAM.
+        let hits: Vec<_> = req
+            .block_hashes
+            .iter()
+            .map_while(|h| {
+                store.get_touch(pegaflow_plugin::KeyRef {
+                    namespace: &req.namespace,
+                    group: 0,
+                    hash: h,
+                })
+            })
+            .collect();
         Ok(pb::QueryBlocksForTransferResponse {
             status: Some(pb::ResponseStatus {
                 ok: true,
@@ -46,7 +56,7 @@ impl PeerService for EchoPeer {
     }
     async fn release_transfer_lock(
         &self,
-        _store: &Arc<TierStack>,
+        _store: &Arc<dyn pegaflow_plugin::BlockHost>,
         req: pb::ReleaseTransferLockRequest,
     ) -> Result<pb::ReleaseTransferLockResponse, tonic::Status> {
         if req.transfer_session_id != "test-session" {
@@ -59,7 +69,7 @@ impl PeerService for EchoPeer {
     }
     async fn rdma_handshake(
         &self,
-        _store: &Arc<TierStack>,
+        _store: &Arc<dyn pegaflow_plugin::BlockHost>,
         req: pb::RdmaHandshakeRequest,
     ) -> Result<pb::RdmaHandshakeResponse, tonic::Status> {
         let mut m = req.handshake_metadata;
@@ -69,7 +79,7 @@ impl PeerService for EchoPeer {
             handshake_metadata: m,
         })
     }
-    fn fetcher(&self) -> Option<Arc<dyn pegaflow_runtime::PeerFetcher>> {
+    fn fetcher(&self) -> Option<Arc<dyn pegaflow_plugin::PeerFetcher>> {
         None
     }
 }
@@ -199,7 +209,7 @@ async fn the_named_peer_delegate_serves_the_rpcs_with_the_store() {
         .unwrap()
         .into_inner();
     assert_eq!(r.handshake_metadata, vec![3, 2, 1]);
-    assert!(pegaflow_runtime::plugin::describe_plugins().contains("test-echo"));
+    assert!(pegaflow_plugin::describe_plugins().contains("test-echo"));
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use pegaflow_api::client::QueryOutcome;
 use pegaflow_api::load_state::LOAD_SUCCESS;
-use pegaflow_runtime::block::{BlockKey, BlockShape};
+use pegaflow_plugin::block::{BlockKey, BlockShape};
 use pegaflow_runtime::config::PluginConfig;
 use pegaflow_tests::harness::*;
 // Link the SSD tier so its factory registers.

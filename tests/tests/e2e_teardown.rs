@@ -8,6 +8,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
+use pegaflow_plugin::*;
 use pegaflow_runtime::config::PluginConfig;
 use pegaflow_runtime::*;
 use pegaflow_tests::harness::*;
@@ -115,10 +116,10 @@ impl Transport for ProbeTransport {
 }
 
 inventory::submit! {
-    RegistrarFactory { kind: "probe-host", summary: "test probe", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ProbeRegistrar)) }
+    RegistrarFactory { kind: "probe-host", summary: "test probe", config: pegaflow_plugin::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ProbeRegistrar)) }
 }
 inventory::submit! {
-    TransportFactory { kind: "probe-memcpy", summary: "test probe", config: pegaflow_runtime::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ProbeTransport)) }
+    TransportFactory { kind: "probe-memcpy", summary: "test probe", config: pegaflow_plugin::ConfigSchema::NONE, flags: &[], build: |_, _| Ok(Arc::new(ProbeTransport)) }
 }
 
 const SHAPE: KvShape = KvShape {

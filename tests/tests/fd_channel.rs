@@ -10,7 +10,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::socket::{sendmsg, ControlMessage, MsgFlags};
 use pegaflow_api::memfd::HostMemfd;
-use pegaflow_runtime::fd_channel::{FdChannel, FdChannelLimits, FdChannelStats, MAX_RECEIVED_FDS};
+use pegaflow_fd_channel::{FdChannel, FdChannelLimits, FdChannelStats, MAX_RECEIVED_FDS};
 
 fn open_fds() -> usize {
     std::fs::read_dir("/proc/self/fd")

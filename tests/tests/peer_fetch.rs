@@ -22,7 +22,7 @@ use std::time::{Duration, Instant};
 
 use nix::sys::signal::Signal;
 use peer_support::*;
-use pegaflow_runtime::{directory_factory, NodeId, RuntimeContext};
+use pegaflow_plugin::{directory_factory, NodeId, RuntimeContext};
 use pegaflow_tests::harness::KvShape;
 // Link the directory backends so their factories register (the stale-advertisement test
 // writes a fake entry).

@@ -5,8 +5,8 @@
 
 use std::sync::Arc;
 
+use pegaflow_plugin::{tier_factory, BuiltTier, HostPool, RuntimeContext};
 use pegaflow_runtime::config::PipelineConfig;
-use pegaflow_runtime::{tier_factory, BuiltTier, HostPool, RuntimeContext};
 // Links the dram tier's `inventory` registration into this test binary.
 use pegaflow_tier_dram as _;
 

@@ -6,8 +6,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use pegaflow_runtime::fd_channel::FdChannel;
-use pegaflow_runtime::{registrar_factory, Registrar, RuntimeContext};
+use pegaflow_fd_channel::FdChannel;
+use pegaflow_plugin::{registrar_factory, Registrar, RuntimeContext};
 use pegaflow_tests::registrar_suite::{
     memfd_mappings, no_extra_malformed, read_host, ClientMemory, MemfdClient, RegistrarMaker,
 };
@@ -24,7 +24,7 @@ mod host_memfd {
             toml::Value::Float(fd_timeout.as_secs_f64()),
         );
         let ctx = RuntimeContext {
-            fd_channel: channel,
+            fd_channel: channel.map(|c| c as Arc<dyn pegaflow_plugin::SideChannel>),
             ..RuntimeContext::default()
         };
         let f = registrar_factory("host-memfd").expect("host-memfd is linked");

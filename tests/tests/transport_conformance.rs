@@ -6,9 +6,8 @@
 
 use std::sync::Arc;
 
-use pegaflow_runtime::metrics::Metrics;
-use pegaflow_runtime::plugin::wrap_transport;
-use pegaflow_runtime::{transport_factory, RuntimeContext, Transport};
+use pegaflow_plugin::wrap_transport;
+use pegaflow_plugin::{transport_factory, RuntimeContext, Transport};
 use pegaflow_tests::transport_suite::TransportMaker;
 // Links the shm backend's `inventory` registrations into this test binary.
 use pegaflow_transport_shm as _;
@@ -24,8 +23,12 @@ fn build(kind: &str, settings: &str) -> Arc<dyn Transport> {
 fn layered(layers: &str) -> Arc<dyn Transport> {
     let list: toml::Table = toml::from_str(&format!("layers = {layers}")).expect("valid layers");
     let list = list["layers"].as_array().expect("an array").clone();
-    let t = wrap_transport(build("memcpy", ""), &list, &Arc::new(Metrics::new()))
-        .expect("layers wrap memcpy");
+    let t = wrap_transport(
+        build("memcpy", ""),
+        &list,
+        &pegaflow_plugin::MetricsRegistry::new(),
+    )
+    .expect("layers wrap memcpy");
     assert_eq!(t.kind(), "memcpy", "layers keep the wrapped kind");
     t
 }

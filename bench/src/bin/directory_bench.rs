@@ -39,10 +39,10 @@ use pegaflow_bench::latency::LatencyStats;
 use pegaflow_directory::memory::{MemoryConfig, MemoryDirectory};
 use pegaflow_directory::metaserver::{MetaServerConfig, MetaServerDirectory};
 use pegaflow_directory::redis_dir::{RedisConfig, RedisDirectory};
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::{Directory, NodeId};
 use pegaflow_runtime::cluster::DirectoryConfig;
 use pegaflow_runtime::config::{FdChannelConfig, PipelineConfig};
-use pegaflow_runtime::{Directory, NodeId};
 use serde::Serialize;
 
 // Link the in-tree backends the in-process server needs so their factories register.

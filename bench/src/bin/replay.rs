@@ -11,7 +11,7 @@ use pegaflow_bench::model::{human_bytes, BlockGeometry, ModelPreset, PRESETS};
 use pegaflow_bench::replay::{self, ReplayOptions};
 use pegaflow_bench::sweep::{self, ReplayPoint};
 use pegaflow_bench::trace::{self, TraceRequest};
-use pegaflow_runtime::config::parse_size;
+use pegaflow_plugin::units::parse_size;
 
 /// The server binary's heap allocator (its default `mimalloc` feature), for an in-process
 /// server that allocates as `pegaflow-server` does.

@@ -17,10 +17,10 @@ use std::sync::Arc;
 use std::time::Instant;
 
 use clap::Parser;
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
-use pegaflow_runtime::config::parse_size;
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::{Extent, HostBuffer, HostMemory, Tier, TierGet, TierPut};
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::units::parse_size;
+use pegaflow_plugin::{Extent, HostBuffer, HostMemory, Tier, TierGet, TierPut};
 use pegaflow_tier_ssd::{IoChoice, SsdConfig};
 
 #[derive(Parser, Debug)]

@@ -51,7 +51,7 @@ use std::time::{Duration, Instant};
 use async_trait::async_trait;
 use hashbrown::{DefaultHashBuilder, HashSet};
 use parking_lot::{Mutex, RwLock};
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError, DirectoryFactory,
     HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix, PluginOption, RuntimeContext,
 };

@@ -21,7 +21,7 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::Arc;
 
 use hashbrown::HashMap;
-use pegaflow_runtime::{DirectoryError, NodeId};
+use pegaflow_plugin::{DirectoryError, NodeId};
 
 /// "No live registration" in a snapshot of generations; never a generation.
 pub(super) const NONE: u32 = u32::MAX;

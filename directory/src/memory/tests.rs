@@ -52,7 +52,7 @@ fn config_defaults_and_checks() {
     let mut t = toml::Table::new();
     t.insert("nope".into(), toml::Value::Integer(1));
     assert!(parse_settings::<MemoryConfig>("memory", &t).is_err());
-    let f = pegaflow_runtime::directory_factory("memory").unwrap();
+    let f = pegaflow_plugin::directory_factory("memory").unwrap();
     assert!(
         f.config.doc_problems().is_empty(),
         "{:?}",

@@ -1,6 +1,6 @@
 //! Reading the Redis directory's script answers, and the cover plan a query's answer gives.
 
-use pegaflow_runtime::NodePrefix;
+use pegaflow_plugin::NodePrefix;
 use redis::Value;
 
 use crate::limits::MAX_PLAN_SEGMENTS;

@@ -76,7 +76,7 @@ use std::time::Duration;
 use anyhow::{bail, Context};
 use async_trait::async_trait;
 use futures::stream::{FuturesUnordered, StreamExt};
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, parse_settings, ConfigSchema, Directory, DirectoryError, DirectoryFactory,
     HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix, PluginOption, RuntimeContext,
 };

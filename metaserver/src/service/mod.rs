@@ -38,13 +38,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pegaflow_directory::limits::{self, echo, FieldError, MAX_PLAN_SEGMENTS};
+use pegaflow_plugin::{Directory, DirectoryError, NodeId};
 use pegaflow_proto::{
     HeartbeatNodeRequest, HeartbeatNodeResponse, InsertBlockHashesRequest,
     InsertBlockHashesResponse, NodePrefixResult, QueryPrefixBlocksRequest,
     QueryPrefixBlocksResponse, RemoveBlockHashesRequest, RemoveBlockHashesResponse, ResponseStatus,
     UnregisterNodeRequest, UnregisterNodeResponse,
 };
-use pegaflow_runtime::{Directory, DirectoryError, NodeId};
 use prost::bytes::Bytes;
 use prost::Message;
 use tonic::Status;

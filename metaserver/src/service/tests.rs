@@ -5,7 +5,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use pegaflow_directory::memory::{MemoryConfig, MemoryDirectory};
-use pegaflow_runtime::{HeartbeatAnswer, InsertAnswer, NodePrefix};
+use pegaflow_plugin::{HeartbeatAnswer, InsertAnswer, NodePrefix};
 
 use super::*;
 

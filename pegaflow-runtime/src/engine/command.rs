@@ -11,9 +11,7 @@ pub use pegaflow_proto::HashList;
 
 use crate::plugin::RegistrationPayload;
 
-/// Longest block hash accepted, in bytes (content hashes are 8–64 bytes in practice; the cap
-/// keeps index keys from growing the heap outside the pool's accounting).
-pub const MAX_HASH_BYTES: usize = 1024;
+pub use pegaflow_api::limits::MAX_HASH_BYTES;
 
 /// RegisterContextBatch: one worker's KV memory.
 ///

@@ -118,6 +118,8 @@ pub struct MemoryCleanup {
 pub struct Engine {
     config: EngineConfig,
     store: Arc<TierStack>,
+    /// The same stack as peer backends see it.
+    host: Arc<dyn crate::plugin::BlockHost>,
     peer: Option<Arc<dyn crate::plugin::PeerService>>,
     registrars: Vec<Arc<dyn Registrar>>,
     transports: Vec<Arc<dyn Transport>>,
@@ -170,6 +172,7 @@ impl Engine {
             ),
             registry: Registry::new(parts.config.max_instances, Reaper::start(256)),
             config: parts.config,
+            host: store.clone(),
             store,
             peer: parts.peer,
             registrars: parts.registrars,
@@ -200,6 +203,11 @@ impl Engine {
     /// The tier stack (block store).
     pub fn store(&self) -> &Arc<TierStack> {
         &self.store
+    }
+
+    /// The tier stack as a peer backend sees it ([`crate::plugin::BlockHost`]).
+    pub fn block_host(&self) -> &Arc<dyn crate::plugin::BlockHost> {
+        &self.host
     }
 
     /// The host-DRAM block index (read-only use: tests, benchmarks, metrics), once every

@@ -147,70 +147,18 @@ impl StoreConfig {
     }
 }
 
-/// What happened to a key, for subscribers such as a directory client.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum IndexEventKind {
-    /// Sealed by a Save: now in host DRAM.
-    Sealed,
-    /// Removed from host DRAM (pressure or cleanup); it may live on in a lower tier.
-    Evicted,
-    /// Written to the lower tier of this index (in the stack's tier order, 0 = first).
-    Demoted(usize),
-    /// Read back into host DRAM from a lower tier.
-    Promoted,
-}
+pub use pegaflow_plugin::events::{IndexEvent, IndexEventKind, IndexEvents, INDEX_EVENT_BACKLOG};
 
-/// One index event.
-#[derive(Debug, Clone)]
-pub struct IndexEvent {
-    /// What happened.
-    pub kind: IndexEventKind,
-    /// To which key.
-    pub key: BlockKey,
-}
-
-/// Index events are broadcast with this much backlog; a subscriber further behind loses the
-/// oldest (counted in `pegaflow_index_events_lagged_total` by the subscriber).
-pub const INDEX_EVENT_BACKLOG: usize = 16_384;
-
-/// The bus index events travel on: the tier stack publishes, subscribers (a directory
-/// client, tests) receive every event from the moment they subscribe. Cloning shares the bus.
-/// A backend receives it in [`crate::plugin::RuntimeContext::index_events`] when it is built.
-#[derive(Clone)]
-pub struct IndexEvents {
-    tx: broadcast::Sender<IndexEvent>,
-}
-
-impl std::fmt::Debug for IndexEvents {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("IndexEvents")
-            .field("subscribers", &self.tx.receiver_count())
-            .finish()
+/// A peer backend's view of this node's host DRAM: the stack's own lookups and allocator.
+impl crate::plugin::BlockHost for TierStack {
+    fn get_touch(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>> {
+        TierStack::get_touch(self, key)
     }
-}
-
-impl Default for IndexEvents {
-    fn default() -> Self {
-        let (tx, _) = broadcast::channel(INDEX_EVENT_BACKLOG);
-        Self { tx }
+    fn allocate(&self, lens: &[usize]) -> Result<Vec<HostBuffer>, crate::plugin::HostAllocError> {
+        TierStack::allocate(self, lens).map_err(|e| crate::plugin::HostAllocError(e.to_string()))
     }
-}
-
-impl IndexEvents {
-    /// Receives every event published from now on. A receiver more than
-    /// [`INDEX_EVENT_BACKLOG`] events behind loses the oldest (`RecvError::Lagged(n)`; count
-    /// them in `pegaflow_index_events_lagged_total`).
-    pub fn subscribe(&self) -> broadcast::Receiver<IndexEvent> {
-        self.tx.subscribe()
-    }
-
-    fn publish(&self, kind: IndexEventKind, key: &BlockKey) {
-        if self.tx.receiver_count() > 0 {
-            let _ = self.tx.send(IndexEvent {
-                kind,
-                key: key.clone(),
-            });
-        }
+    fn pool(&self) -> &Arc<dyn HostPool> {
+        TierStack::pool(self)
     }
 }
 
@@ -365,7 +313,7 @@ impl TierStack {
     /// kept) when the key is already resident.
     pub fn insert_sealed(&self, key: BlockKey, block: Arc<SealedBlock>) -> bool {
         // The key is only copied for the event bus when someone listens.
-        let k = (self.events.tx.receiver_count() > 0).then(|| key.clone());
+        let k = (self.events.has_subscribers()).then(|| key.clone());
         let handled = self.handled_at_seal(key.group);
         if self.index.insert_marked(key, block, handled) {
             self.metrics.cache_block_insertions.inc();
@@ -397,7 +345,7 @@ impl TierStack {
         namespace: &Arc<str>,
         blocks: Vec<(u32, &[u8], Arc<SealedBlock>)>,
     ) -> Vec<bool> {
-        let listen = self.events.tx.receiver_count() > 0;
+        let listen = self.events.has_subscribers();
         let keys: Vec<(u32, &[u8])> = if listen {
             blocks.iter().map(|(g, h, _)| (*g, *h)).collect()
         } else {
@@ -554,7 +502,7 @@ impl TierStack {
             // queue, so they go one at a time and the pool's free bytes are re-read each time.
             let per_batch = if self.demoter.is_some() { 1 } else { 256 };
             // Keys are only built for someone who needs them: the demotion queue, the bus.
-            let keys = self.demoter.is_some() || self.events.tx.receiver_count() > 0;
+            let keys = self.demoter.is_some() || self.events.has_subscribers();
             let mut evicted = 0u64;
             loop {
                 let short = need.saturating_sub(self.pool.free_bytes()).max(1);
@@ -616,7 +564,7 @@ impl TierStack {
         self.metrics
             .cache_evict_ahead_target_bytes
             .set(i64::try_from(target).unwrap_or(i64::MAX));
-        let keys = self.demoter.is_some() || self.events.tx.receiver_count() > 0;
+        let keys = self.demoter.is_some() || self.events.has_subscribers();
         loop {
             if a.stopped() {
                 return;

@@ -31,14 +31,13 @@ use parking_lot::Mutex;
 
 use super::{IndexEventKind, TierStack};
 use crate::block::{BlockKey, BlockShape, SealedBlock};
-use crate::cluster::ClusterDirectory;
-use crate::plugin::{PeerFetcher, TierGet};
+use crate::plugin::{HolderLookup, PeerFetcher, TierGet};
 
 /// The peer rung of the promotion ladder: who fetches, and the directory that says from
 /// where.
 pub(super) struct PeerRung {
     fetcher: Arc<dyn PeerFetcher>,
-    directory: ClusterDirectory,
+    directory: Arc<dyn HolderLookup>,
 }
 
 /// Where a promotion task starts: a run the directory places on another node (fetched
@@ -114,7 +113,7 @@ impl TierStack {
     /// Installs the peer rung (once, at start): queries whose DRAM prefix stops short ask
     /// `directory` for the continuation and fetch it through `fetcher` before the lower
     /// tiers. A second call is ignored (and logged).
-    pub fn set_peer(&self, fetcher: Arc<dyn PeerFetcher>, directory: ClusterDirectory) {
+    pub fn set_peer(&self, fetcher: Arc<dyn PeerFetcher>, directory: Arc<dyn HolderLookup>) {
         let kind = fetcher.kind();
         if self.peer.set(PeerRung { fetcher, directory }).is_err() {
             tracing::warn!(
@@ -136,7 +135,7 @@ impl TierStack {
     ) -> Vec<(String, usize)> {
         let mut out = Vec::new();
         let mut at = 0usize;
-        for seg in rung.directory.query_prefix(namespace, 0, rest).await {
+        for seg in rung.directory.holders(namespace, rest).await {
             let len = (seg.prefix_len as usize).min(rest.len() - at);
             if len == 0 {
                 break;
@@ -313,9 +312,10 @@ impl TierStack {
         let Some(rung) = self.peer.get() else {
             return 0;
         };
+        let host: Arc<dyn crate::plugin::BlockHost> = self.clone();
         let got = rung
             .fetcher
-            .fetch(self, node, keys, expect, task.deadline)
+            .fetch(&host, node, keys, expect, task.deadline)
             .await;
         let n = got.len().min(keys.len());
         for (key, block) in keys.iter().zip(got) {

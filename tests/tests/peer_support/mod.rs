@@ -549,13 +549,13 @@ pub fn block_on_in_netns<T: Send>(
 pub fn redis_directory(
     redis_url: &str,
     prefix: &str,
-) -> std::sync::Arc<dyn pegaflow_runtime::Directory> {
+) -> std::sync::Arc<dyn pegaflow_plugin::Directory> {
     let mut settings = toml::Table::new();
     settings.insert("url".into(), redis_url.into());
     settings.insert("key_prefix".into(), format!("pf:{prefix}:").into());
-    (pegaflow_runtime::directory_factory("redis").unwrap().build)(
+    (pegaflow_plugin::directory_factory("redis").unwrap().build)(
         &settings,
-        &pegaflow_runtime::RuntimeContext::default(),
+        &pegaflow_plugin::RuntimeContext::default(),
     )
     .expect("a redis directory client")
 }

@@ -26,7 +26,7 @@ mod pool;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, parse_settings, BuiltTier, ConfigSchema, FactoryFlag, FlagValue, HostBuffer,
     HostPool, HostRegion, PluginOption, Preflight, PreflightReport, RuntimeContext, Section,
     TierFactory,
@@ -50,7 +50,7 @@ pub const MAX_SHARDS: usize = 4096;
 pub struct DramSettings {
     /// Pool size in bytes (a size string like `"30gb"` or a byte count in the table); rounded
     /// down to [`GRANULE`] when the pool is built.
-    #[serde(with = "pegaflow_runtime::config::size")]
+    #[serde(with = "pegaflow_plugin::units::size")]
     pub capacity: u64,
     /// Independently locked sub-pools (≥ 1); allocations go round-robin with fallback.
     pub shards: usize,

@@ -14,7 +14,7 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 
 use parking_lot::Mutex;
-use pegaflow_runtime::{Extent, HostBuffer, HostMemory};
+use pegaflow_plugin::{Extent, HostBuffer, HostMemory};
 
 use crate::freelist::FreeList;
 

@@ -2,8 +2,8 @@
 
 use super::*;
 
-use pegaflow_runtime::buffer::ReleaseBatch;
-use pegaflow_runtime::Extent;
+use pegaflow_plugin::buffer::ReleaseBatch;
+use pegaflow_plugin::Extent;
 use proptest::prelude::*;
 
 fn tier(capacity: u64, shards: usize) -> DramTier {
@@ -512,7 +512,7 @@ fn default_settings_and_factory() {
     let s = DramSettings::from_table(&toml::Table::new()).unwrap();
     assert_eq!(s, DramSettings::default());
     assert_eq!(s.capacity, 30 << 30);
-    let f = pegaflow_runtime::tier_factory("dram").expect("dram is registered");
+    let f = pegaflow_plugin::tier_factory("dram").expect("dram is registered");
     assert_eq!(f.kind, "dram");
     let names: Vec<&str> = f.config.options.iter().map(|o| o.name).collect();
     let defaults = (f.config.defaults)();
@@ -527,7 +527,7 @@ fn default_settings_and_factory() {
         "the rendered defaults read back as the defaults"
     );
     assert!(f.default_landing);
-    assert!(pegaflow_runtime::describe_plugins().contains("capacity = \"30gb\""));
+    assert!(pegaflow_plugin::describe_plugins().contains("capacity = \"30gb\""));
     // The default 30 GiB pool starts regardless of free memory.
     let landing = |b: BuiltTier| match b {
         BuiltTier::Landing(p) => p,
@@ -543,7 +543,7 @@ fn default_settings_and_factory() {
         .unwrap(),
     );
     assert_eq!(t.capacity_bytes(), 3 << 19);
-    assert!(pegaflow_runtime::describe_plugins().contains("dram"));
+    assert!(pegaflow_plugin::describe_plugins().contains("dram"));
     let s = DramSettings::from_table(&table(
         "transparent_hugepages = true\nuse_hugepages = false",
     ))

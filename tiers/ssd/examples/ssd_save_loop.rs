@@ -12,9 +12,9 @@
 
 use std::io::Write;
 
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::{Tier, TierPut};
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::{Tier, TierPut};
 use pegaflow_tests::pool_suite::{pattern, Rng};
 use pegaflow_tests::tier_suite::heap_buffer;
 use pegaflow_tier_ssd::{IoChoice, SsdConfig};

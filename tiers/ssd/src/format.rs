@@ -31,7 +31,7 @@
 //! message that says so ([`FormatError::Version`]), never read under the version-2 rule and
 //! never overwritten.
 
-use pegaflow_runtime::block::{BlockKey, BlockShape};
+use pegaflow_plugin::block::{BlockKey, BlockShape};
 
 /// Superblock magic.
 pub const SUPERBLOCK_MAGIC: [u8; 8] = *b"PFSSDSB\x01";

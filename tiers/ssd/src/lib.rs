@@ -41,10 +41,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 
 use anyhow::{bail, Context};
-use pegaflow_runtime::health::{HealthBoard, HealthState};
-use pegaflow_runtime::layers::{AdmissionConfig, AdmissionTier};
-use pegaflow_runtime::plugin::LayerContext;
-use pegaflow_runtime::{
+use pegaflow_plugin::health::{HealthBoard, HealthState};
+use pegaflow_plugin::layers::{AdmissionConfig, AdmissionTier};
+use pegaflow_plugin::LayerContext;
+use pegaflow_plugin::{
     defaults_of, parse_settings, BuiltTier, ConfigSchema, FactoryFlag, FlagValue, PluginOption,
     RuntimeContext, Tier, TierFactory,
 };
@@ -88,14 +88,14 @@ pub struct SsdConfig {
     /// free space minus `reserve` at start, logged as a WARN when that cuts it, and creates a
     /// new segment file only while the filesystem has room above `reserve`).
     /// `--ssd-cache-capacity`. Default `512gb`.
-    #[serde(default = "default_capacity", with = "pegaflow_runtime::config::size")]
+    #[serde(default = "default_capacity", with = "pegaflow_plugin::units::size")]
     pub capacity: u64,
     /// Bytes per segment file (the unit of preallocation and eviction; smaller for small
     /// stores). A store keeps the size it was created with. Default `256mb`.
-    #[serde(default = "default_segment", with = "pegaflow_runtime::config::size")]
+    #[serde(default = "default_segment", with = "pegaflow_plugin::units::size")]
     pub segment_size: u64,
     /// Bytes left free on each filesystem (at most 5 % of it). Default `1gb`.
-    #[serde(default = "default_reserve", with = "pegaflow_runtime::config::size")]
+    #[serde(default = "default_reserve", with = "pegaflow_plugin::units::size")]
     pub reserve: u64,
     /// I/O engine: `auto` (io_uring, pread/pwrite when refused), `uring`, `posix`.
     #[serde(default = "default_io")]
@@ -130,7 +130,7 @@ pub struct SsdConfig {
     pub streams_per_path: usize,
     /// Bytes of one write (consecutive records batched into one sequential write).
     /// Default `8mb`.
-    #[serde(default = "default_chunk", with = "pegaflow_runtime::config::size")]
+    #[serde(default = "default_chunk", with = "pegaflow_plugin::units::size")]
     pub write_chunk: u64,
     /// `fifo` or `heat`. Default `fifo`.
     #[serde(default = "default_eviction")]
@@ -534,8 +534,8 @@ inventory::submit! {
 }
 
 inventory::submit! {
-    pegaflow_runtime::Preflight {
-        section: pegaflow_runtime::Section::Tier,
+    pegaflow_plugin::Preflight {
+        section: pegaflow_plugin::Section::Tier,
         kind: "ssd",
         check: preflight::preflight,
     }

@@ -3,7 +3,7 @@
 //! create under the nearest existing one), found without creating or opening anything for
 //! writing. Free space, the lock and the store's own format are checked at start-up only.
 
-use pegaflow_runtime::{can_create_in, can_read_write, creatable, parse_settings, PreflightReport};
+use pegaflow_plugin::{can_create_in, can_read_write, creatable, parse_settings, PreflightReport};
 
 use crate::SsdConfig;
 

@@ -4,7 +4,7 @@
 //! [`PayloadSink`] as it is checked; a refused record's partial copy is the caller's to
 //! discard (the tier never indexes or reports it).
 
-use pegaflow_runtime::block::{BlockKey, BlockShape};
+use pegaflow_plugin::block::{BlockKey, BlockShape};
 
 use crate::format::{trailer_ok, RecordHeader, RecordPlace, TRAILER_BYTES};
 
@@ -14,7 +14,7 @@ pub trait PayloadSink {
     fn put(&self, offset: usize, bytes: &[u8]);
 }
 
-impl PayloadSink for pegaflow_runtime::HostBuffer {
+impl PayloadSink for pegaflow_plugin::HostBuffer {
     fn put(&self, offset: usize, bytes: &[u8]) {
         self.write_at(offset, bytes);
     }

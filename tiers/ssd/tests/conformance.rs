@@ -4,8 +4,8 @@
 use std::path::Path;
 use std::sync::Arc;
 
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::Tier;
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::Tier;
 use pegaflow_tier_ssd::{IoChoice, SsdConfig};
 
 fn make(capacity: u64, dir: &Path, io: IoChoice) -> Arc<dyn Tier> {

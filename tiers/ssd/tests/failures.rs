@@ -11,8 +11,8 @@ mod common;
 use std::sync::Arc;
 
 use common::*;
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::{Tier, TierError};
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::{Tier, TierError};
 use pegaflow_tier_ssd::io::fault::{Fault, FaultyIo};
 use pegaflow_tier_ssd::io::{EngineOptions, IoEngine};
 

@@ -14,8 +14,8 @@ use std::os::unix::fs::FileExt;
 use std::path::Path;
 
 use common::*;
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::Tier;
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::Tier;
 use proptest::prelude::*;
 
 fn read_at(p: &Path, off: u64, len: usize) -> Vec<u8> {

@@ -8,9 +8,9 @@ use std::process::{Command, Stdio};
 use std::sync::Arc;
 use std::time::Duration;
 
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock, Slot};
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::{Tier, TierError, TierGet, TierPut};
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock, Slot};
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::{Tier, TierError, TierGet, TierPut};
 use pegaflow_tests::pool_suite::{pattern, Rng};
 use pegaflow_tests::tier_suite::heap_buffer;
 use pegaflow_tier_ssd::io::fault::{Fault, FaultyIo};
@@ -679,10 +679,10 @@ async fn the_layout_is_part_of_the_record_and_a_shape_mismatch_is_refused() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn second_sighting_admits_a_block_wanted_before_it_is_saved() {
-    use pegaflow_runtime::layers::{AdmissionConfig, AdmissionTier};
-    use pegaflow_runtime::plugin::LayerContext;
+    use pegaflow_plugin::layers::{AdmissionConfig, AdmissionMetrics, AdmissionTier};
+    use pegaflow_plugin::{LayerContext, MetricsRegistry};
     let d = tempfile::tempdir().unwrap();
-    let metrics = Arc::new(pegaflow_runtime::metrics::Metrics::new());
+    let metrics = MetricsRegistry::new();
     let t: Arc<dyn Tier> = Arc::new(AdmissionTier::new(
         Arc::new(open(&config(d.path(), IoChoice::Posix))),
         &AdmissionConfig::default(),
@@ -711,6 +711,7 @@ async fn second_sighting_admits_a_block_wanted_before_it_is_saved() {
         Err(TierError::Full(_))
     ));
     t.put(vec![put(3)]).await[0].clone().unwrap();
-    assert_eq!(metrics.cache_block_admissions.get(), 3);
-    assert_eq!(metrics.cache_block_admission_rejections.get(), 1);
+    let m = AdmissionMetrics::of(&metrics);
+    assert_eq!(m.admissions.get(), 3);
+    assert_eq!(m.rejections.get(), 1);
 }

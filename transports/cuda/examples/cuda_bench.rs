@@ -21,7 +21,7 @@ use std::time::{Duration, Instant};
 use futures::{StreamExt, TryStreamExt};
 
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::{CopyBatch, CopyOp, Direction, RuntimeContext, Transport};
+use pegaflow_plugin::{CopyBatch, CopyOp, Direction, RuntimeContext, Transport};
 use pegaflow_transport_cuda::testing::{DeviceBuffer, HostArena};
 use pegaflow_transport_cuda::{
     driver, CopyPath, CudaTransport, CudaTransportConfig, KernelPath, Policy, Wait,

@@ -3,7 +3,7 @@
 //! kernel descriptors. No GPU needed: `cargo run --release -p pegaflow-transport-cuda
 //! --example plan_cost`.
 
-use pegaflow_runtime::CopyOp;
+use pegaflow_plugin::CopyOp;
 use pegaflow_transport_cuda::plan::*;
 use std::time::Instant;
 fn main() {

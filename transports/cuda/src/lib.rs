@@ -26,6 +26,7 @@
 #![warn(missing_docs)]
 
 pub mod driver;
+pub mod host_numa;
 pub mod pickle;
 pub mod pin;
 pub mod plan;
@@ -37,7 +38,7 @@ pub mod wrapper;
 
 pub use driver::{driver, CudaError, DeviceInfo, Driver};
 
-use pegaflow_runtime::MemorySpace;
+use pegaflow_plugin::MemorySpace;
 
 /// The memory-space domain of CUDA device memory this crate declares: registrations of its
 /// registrars live there, and its transport addresses it. The ordinal is the CUDA device

@@ -169,7 +169,7 @@ impl PinSet {
             match std::thread::Builder::new()
                 .name(format!("cuda-pin-{t}"))
                 .spawn(move || {
-                    if let Err(e) = pegaflow_runtime::numa::run_on_cpus(&cpus) {
+                    if let Err(e) = crate::host_numa::run_on_cpus(&cpus) {
                         tracing::warn!("cuda-pin-{t}: cannot run on the GPUs' NUMA node: {e}");
                     }
                     set.pin_loop(&next, started, total)

@@ -11,7 +11,7 @@
 //! Must never: drop, duplicate or reorder bytes within an op (a plan moves exactly the bytes
 //! the ops name), or produce a staging offset past the chunk size.
 
-use pegaflow_runtime::CopyOp;
+use pegaflow_plugin::CopyOp;
 
 /// Largest descriptor, in bytes: bigger ops are split so thread blocks share the work.
 pub const MAX_DESC_BYTES: u64 = 64 << 10;

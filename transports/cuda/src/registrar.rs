@@ -19,7 +19,7 @@ use std::collections::HashMap;
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     check_parses, defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion,
     MemorySpace, PayloadCarrier, PayloadScheme, Registrar, RegistrarError, RegistrarFactory,
     RegistrarTraits, Registration, RegistrationPayload, RuntimeContext,
@@ -27,7 +27,7 @@ use pegaflow_runtime::{
 use serde::{Deserialize, Serialize};
 
 use cudarc::driver::sys;
-use pegaflow_runtime::NativeImportV2;
+use pegaflow_plugin::NativeImportV2;
 
 use crate::driver::{driver, Registry};
 use crate::wrapper::{parse_wrapper, CudaIpcWrapper, WrapperError};
@@ -513,7 +513,7 @@ mod tests {
 
     #[test]
     fn ipc_handle_registrar_refuses_bad_input_before_any_driver_call() {
-        use pegaflow_runtime::{NativeAllocationSpec, NativeTensorView, NativeView};
+        use pegaflow_plugin::{NativeAllocationSpec, NativeTensorView, NativeView};
         let r = CudaIpcHandleRegistrar::new(None);
         let v1 = ImportRequest {
             instance_id: "i".into(),
@@ -565,7 +565,7 @@ mod tests {
                 "{e}"
             );
         }
-        let f = pegaflow_runtime::registrar_factory("cuda-ipc-handle").unwrap();
+        let f = pegaflow_plugin::registrar_factory("cuda-ipc-handle").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "cuda-ipc-handle");
         assert_eq!(
@@ -578,7 +578,7 @@ mod tests {
 
     #[test]
     fn factory_is_registered() {
-        let f = pegaflow_runtime::registrar_factory("cuda-ipc").unwrap();
+        let f = pegaflow_plugin::registrar_factory("cuda-ipc").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "cuda-ipc");
         assert_eq!(r.scheme().carrier, PayloadCarrier::LayerBlobs);

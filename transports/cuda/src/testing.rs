@@ -11,7 +11,7 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use pegaflow_runtime::HostRegion;
+use pegaflow_plugin::HostRegion;
 
 use crate::driver::{check, driver, CudaError};
 
@@ -93,7 +93,7 @@ impl Drop for HostArena {
 
 impl HostArena {
     /// The arena as the host memory a runtime installs into a transport
-    /// ([`pegaflow_runtime::Transport::install_host_memory`]); the region keeps it mapped.
+    /// ([`pegaflow_plugin::Transport::install_host_memory`]); the region keeps it mapped.
     pub fn regions(self: &std::sync::Arc<Self>) -> Vec<HostRegion> {
         vec![HostRegion {
             addr: self.addr,

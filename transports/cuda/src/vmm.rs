@@ -41,12 +41,11 @@ use async_trait::async_trait;
 use cudarc::driver::sys;
 use parking_lot::Mutex;
 use pegaflow_api::cuda_driver;
-use pegaflow_runtime::fd_channel::FdChannel;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, parse_settings, ConfigSchema, ImportRequest, LayerRegion, MemorySpace,
     NativeImport, NativeImportV2, PayloadCarrier, PayloadScheme, PluginOption, Registrar,
     RegistrarError, RegistrarFactory, RegistrarTraits, Registration, RegistrationPayload,
-    RuntimeContext,
+    RuntimeContext, SideChannel,
 };
 use serde::{Deserialize, Serialize};
 
@@ -432,7 +431,7 @@ pub const MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::CudaVmm as i32;
 /// The `cuda-vmm` registrar (payload [`PayloadKind::CudaVmm`]).
 #[derive(Debug)]
 pub struct CudaVmmRegistrar {
-    channel: Option<Arc<FdChannel>>,
+    channel: Option<Arc<dyn SideChannel>>,
     fd_timeout: Duration,
     devices: Option<Vec<i32>>,
 }
@@ -443,7 +442,7 @@ impl CudaVmmRegistrar {
     /// `devices` (CUDA ordinals; `None` = every device the driver reports). Never fails:
     /// without a driver, imports fail with a clear error instead.
     pub fn new(
-        channel: Option<Arc<FdChannel>>,
+        channel: Option<Arc<dyn SideChannel>>,
         fd_timeout: Duration,
         devices: Option<Vec<i32>>,
     ) -> Self {
@@ -674,8 +673,8 @@ inventory::submit! {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use pegaflow_runtime::fd_channel::FdChannelLimits;
-    use pegaflow_runtime::{NativeView, RegistrationPayload};
+    use pegaflow_fd_channel::{FdChannel, FdChannelLimits};
+    use pegaflow_plugin::{NativeView, RegistrationPayload};
     use std::os::fd::AsFd;
 
     fn view(offset: u64, size: u64) -> NativeView {
@@ -715,7 +714,7 @@ mod tests {
         let mut t = toml::Table::new();
         t.insert("fd_timeout_secs".into(), toml::Value::Float(timeout_secs));
         let ctx = RuntimeContext {
-            fd_channel: Some(Arc::clone(&f.channel)),
+            fd_channel: Some(Arc::clone(&f.channel) as Arc<dyn SideChannel>),
             ..RuntimeContext::default()
         };
         CudaVmmRegistrar::build(&t, &ctx).unwrap()
@@ -791,7 +790,7 @@ mod tests {
     async fn devices_outside_the_served_set_are_refused() {
         let f = fixture().await;
         let reg = CudaVmmRegistrar::new(
-            Some(Arc::clone(&f.channel)),
+            Some(Arc::clone(&f.channel) as Arc<dyn SideChannel>),
             Duration::from_millis(100),
             Some(vec![1]),
         );
@@ -809,7 +808,7 @@ mod tests {
     #[tokio::test]
     async fn without_a_driver_import_fails_cleanly() {
         if driver().is_ok() {
-            return; // a GPU machine: covered by tests/vmm_gpu.rs
+            return; // a GPU machine: covered by tests/tests/vmm_gpu.rs (pegaflow-tests)
         }
         let f = fixture().await;
         let reg = registrar(&f, 5.0);
@@ -835,7 +834,7 @@ mod tests {
 
     #[test]
     fn the_factory_is_registered_and_options_are_checked() {
-        let f = pegaflow_runtime::registrar_factory("cuda-vmm").unwrap();
+        let f = pegaflow_plugin::registrar_factory("cuda-vmm").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "cuda-vmm");
         assert_eq!(

@@ -17,8 +17,8 @@ use std::time::Duration;
 use futures::future::BoxFuture;
 use pegaflow_api::vmm::VmmAllocation;
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::fd_channel::FdChannel;
-use pegaflow_runtime::{
+use pegaflow_fd_channel::FdChannel;
+use pegaflow_plugin::{
     transport_factory, CopyBatch, CopyOp, Direction, LayerRegion, MemorySpace, Registrar,
     RegistrationPayload, RuntimeContext, Transport,
 };
@@ -126,7 +126,11 @@ mod cuda_vmm {
     use super::*;
 
     fn make(channel: Option<Arc<FdChannel>>, fd_timeout: Duration) -> Arc<dyn Registrar> {
-        Arc::new(CudaVmmRegistrar::new(channel, fd_timeout, None))
+        Arc::new(CudaVmmRegistrar::new(
+            channel.map(|c| c as Arc<dyn pegaflow_plugin::SideChannel>),
+            fd_timeout,
+            None,
+        ))
     }
 
     fn client(_name: &str, device_id: i32, len: u64) -> Result<Box<dyn ClientMemory>, String> {

@@ -14,7 +14,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     op_parts, CopyBatch, CopyOp, Direction, ImportRequest, Registrar, RegistrarError,
     RegistrationPayload, RuntimeContext, SourceRead, Transport,
 };
@@ -483,7 +483,7 @@ fn wrapper_for(
 fn import(
     r: &CudaIpcRegistrar,
     wrappers: Vec<Vec<u8>>,
-) -> Result<Vec<pegaflow_runtime::LayerRegion>, RegistrarError> {
+) -> Result<Vec<pegaflow_plugin::LayerRegion>, RegistrarError> {
     block_on(r.import(ImportRequest {
         instance_id: "gpu-test".into(),
         device_id: 0,

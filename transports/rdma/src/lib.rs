@@ -32,13 +32,13 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
-use pegaflow_proto as pb;
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
-use pegaflow_runtime::store::TierStack;
-use pegaflow_runtime::{
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::BlockHost;
+use pegaflow_plugin::{
     parse_settings, ConfigSchema, PeerDataPath, PeerFetcher, PeerService, PeerServiceFactory,
     PluginOption, RuntimeContext,
 };
+use pegaflow_proto as pb;
 use pegaflow_transport_tcp::fetch::{FetchLimits, Fetcher};
 use pegaflow_transport_tcp::locks::Locks;
 use pegaflow_transport_tcp::metrics::PeerMetrics;
@@ -233,7 +233,7 @@ pub fn parse_emu(
 }
 
 fn emu_defaults() -> toml::Table {
-    let mut t = pegaflow_runtime::defaults_of::<RdmaPeerConfig>();
+    let mut t = pegaflow_plugin::defaults_of::<RdmaPeerConfig>();
     t.insert(
         "emu".into(),
         toml::Value::try_from(emu::EmuSettings::default()).expect("emu settings serialise"),
@@ -306,7 +306,7 @@ impl PeerFetcher for RdmaFetcher {
 
     async fn fetch(
         &self,
-        stack: &Arc<TierStack>,
+        stack: &Arc<dyn BlockHost>,
         node: &str,
         keys: &[BlockKey],
         expect: Option<&BlockShape>,
@@ -356,7 +356,7 @@ impl PeerService for RdmaPeer {
 
     async fn query_blocks_for_transfer(
         &self,
-        store: &Arc<TierStack>,
+        store: &Arc<dyn BlockHost>,
         req: pb::QueryBlocksForTransferRequest,
     ) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status> {
         self.engine()?;
@@ -365,7 +365,7 @@ impl PeerService for RdmaPeer {
 
     async fn release_transfer_lock(
         &self,
-        _store: &Arc<TierStack>,
+        _store: &Arc<dyn BlockHost>,
         req: pb::ReleaseTransferLockRequest,
     ) -> Result<pb::ReleaseTransferLockResponse, tonic::Status> {
         Ok(pegaflow_transport_tcp::release_lock(&self.locks, req))
@@ -373,7 +373,7 @@ impl PeerService for RdmaPeer {
 
     async fn rdma_handshake(
         &self,
-        store: &Arc<TierStack>,
+        store: &Arc<dyn BlockHost>,
         req: pb::RdmaHandshakeRequest,
     ) -> Result<pb::RdmaHandshakeResponse, tonic::Status> {
         let engine = self.engine()?.clone();
@@ -477,7 +477,7 @@ fn assemble(p: Parts, ctx: &RuntimeContext) -> anyhow::Result<Arc<RdmaPeer>> {
             tracing::warn!(kind, reason = %why, "RDMA unavailable: this node serves locally and neither serves nor fetches peer blocks");
             ctx.health.report(
                 &format!("peer {kind}"),
-                pegaflow_runtime::health::HealthState::Degraded,
+                pegaflow_plugin::health::HealthState::Degraded,
                 format!("RDMA unavailable: {why}"),
             );
         }
@@ -636,25 +636,25 @@ inventory::submit! {
         kind: "rdma",
         summary: "cross-node block fetch by one-sided RDMA READ from the holder's registered pool (libibverbs, loaded at run time: NICs named that cannot be opened fail start-up; with none named, a machine without RDMA serves locally and reports RDMA unavailable)",
         config: ConfigSchema {
-            defaults: pegaflow_runtime::defaults_of::<RdmaPeerConfig>,
+            defaults: pegaflow_plugin::defaults_of::<RdmaPeerConfig>,
             check: |w, t| parse_settings::<RdmaPeerConfig>(w, t)?.check(w),
             options: common_options![],
         },
         flags: &[
-            pegaflow_runtime::FactoryFlag {
+            pegaflow_plugin::FactoryFlag {
                 long: "nics",
                 value_name: "NIC",
                 help: "RDMA NICs for cross-node fetch, by device name, separated by commas or spaces (PegaFlow's flag; adds [peer] kind \"rdma\"; start-up fails when one cannot be opened, e.g. without libibverbs; fetching needs a directory, e.g. --metaserver-addr)",
                 setting: "nics",
-                value: pegaflow_runtime::FlagValue::TextList,
+                value: pegaflow_plugin::FlagValue::TextList,
                 adds_entry: true,
             },
-            pegaflow_runtime::FactoryFlag {
+            pegaflow_plugin::FactoryFlag {
                 long: "qps-per-peer",
                 value_name: "N",
                 help: "RDMA queue pairs per NIC per peer (PegaFlow's flag; the [peer] kind \"rdma\" setting qps_per_peer) [default: 2]",
                 setting: "qps_per_peer",
-                value: pegaflow_runtime::FlagValue::Integer { min: 1 },
+                value: pegaflow_plugin::FlagValue::Integer { min: 1 },
                 adds_entry: false,
             },
         ],

@@ -31,7 +31,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::{HostBuffer, HostPool, HostRegion, PeerDataError, PeerDataPath, PeerRead};
+use pegaflow_plugin::{HostBuffer, HostPool, HostRegion, PeerDataError, PeerDataPath, PeerRead};
 use pegaflow_transport_tcp::fetch::{Exchange, Handshake, HandshakeError};
 use prometheus::{IntCounter, IntCounterVec, IntGauge, Opts, Registry};
 

@@ -9,8 +9,8 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::{Extent, HostBuffer, HostMemory, HostRegion, PeerDataError, PeerDataPath};
-use pegaflow_runtime::{PeerRead, RemoteRange};
+use pegaflow_plugin::{Extent, HostBuffer, HostMemory, HostRegion, PeerDataError, PeerDataPath};
+use pegaflow_plugin::{PeerRead, RemoteRange};
 use pegaflow_transport_tcp::fetch::{Exchange, Handshake};
 
 use crate::codec::Meta;
@@ -554,10 +554,10 @@ fn emulated_queue_pairs_follow_the_state_machine() {
 
 #[test]
 fn settings_are_checked_and_documented() {
-    let problems = pegaflow_runtime::doc_problems();
+    let problems = pegaflow_plugin::doc_problems();
     let ours: Vec<_> = problems.iter().filter(|p| p.contains("\"rdma")).collect();
     assert!(ours.is_empty(), "{ours:?}");
-    let f = pegaflow_runtime::peer_service_factory("rdma-emu").unwrap();
+    let f = pegaflow_plugin::peer_service_factory("rdma-emu").unwrap();
     assert!((f.config.check)("p", &toml::Table::new()).is_ok());
     let t: toml::Table = toml::from_str("qps_per_peer = 0").unwrap();
     assert!((f.config.check)("p", &t).is_err());
@@ -598,7 +598,7 @@ fn nic_names_split_at_commas_and_spaces_and_refuse_empty_names() {
         let e = names(bad).unwrap_err();
         assert!(e.contains("an empty NIC name"), "{bad:?}: {e}");
     }
-    let f = pegaflow_runtime::peer_service_factory("rdma-emu").unwrap();
+    let f = pegaflow_plugin::peer_service_factory("rdma-emu").unwrap();
     let t: toml::Table = toml::from_str("nics = [\"emu0,\"]").unwrap();
     let e = (f.config.check)("p", &t).unwrap_err().to_string();
     assert!(e.contains("empty NIC name"), "{e}");

@@ -25,7 +25,7 @@ pub use memcpy::{
 };
 pub use registrar::{HostMemfdConfig, HostMemfdRegistrar, DEFAULT_FD_TIMEOUT};
 
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, ConfigSchema, PluginOption, RegistrarFactory, TransportFactory,
 };
 

@@ -3,7 +3,7 @@
 use std::sync::Arc;
 
 use async_trait::async_trait;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     parse_settings, CopyBatch, CopyOp, Direction, HostRegion, MemorySpace, OpParts, RuntimeContext,
     Transport, TransportError,
 };
@@ -96,7 +96,7 @@ pub struct MemcpyConfig {
     /// Most threads one large batch is split across, 1 to 64.
     pub threads: usize,
     /// Batches of at least this many bytes are split across threads (a size string or bytes).
-    #[serde(with = "pegaflow_runtime::config::size")]
+    #[serde(with = "pegaflow_plugin::units::size")]
     pub parallel_threshold: usize,
     /// Which copies write with streaming stores: `"all"` (default), `"saves"` or `"off"`.
     pub streaming_stores: StreamingStores,
@@ -321,7 +321,7 @@ impl Transport for MemcpyTransport {
 mod tests {
     use super::*;
     use pegaflow_api::TransferMode;
-    use pegaflow_runtime::{Extent, HostBuffer, HostMemory};
+    use pegaflow_plugin::{Extent, HostBuffer, HostMemory};
 
     struct NoRelease;
     impl HostMemory for NoRelease {
@@ -523,7 +523,7 @@ mod tests {
             );
         }
         assert!(build(&table("streaming_stores = \"sometimes\""), &ctx).is_err());
-        let f = pegaflow_runtime::transport_factory("memcpy").unwrap();
+        let f = pegaflow_plugin::transport_factory("memcpy").unwrap();
         assert_eq!(
             (f.build)(&toml::Table::new(), &ctx).unwrap().kind(),
             "memcpy"

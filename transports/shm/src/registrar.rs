@@ -23,11 +23,10 @@ use memmap2::{MmapOptions, MmapRaw};
 use nix::errno::Errno;
 use nix::fcntl::{fcntl, FcntlArg, SealFlag};
 use nix::sys::stat::{fstat, SFlag};
-use pegaflow_runtime::fd_channel::FdChannel;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     parse_settings, ImportRequest, LayerRegion, MemorySpace, NativeImport, NativeImportV2,
     PayloadCarrier, PayloadScheme, Registrar, RegistrarError, RegistrarTraits, Registration,
-    RegistrationPayload, RuntimeContext,
+    RegistrationPayload, RuntimeContext, SideChannel,
 };
 use serde::{Deserialize, Serialize};
 use tracing::{debug, warn};
@@ -59,7 +58,7 @@ pub const MEMORY_KIND: i32 = pegaflow_proto::MemoryKind::HostMemfd as i32;
 /// closed and every descriptor still pending for the registration is discarded.
 #[derive(Debug)]
 pub struct HostMemfdRegistrar {
-    channel: Option<Arc<FdChannel>>,
+    channel: Option<Arc<dyn SideChannel>>,
     fd_timeout: Duration,
     require_shrink_seal: bool,
 }
@@ -69,7 +68,7 @@ impl HostMemfdRegistrar {
     /// [`RegistrarError::Precondition`]), waiting up to `fd_timeout` for each. With
     /// `require_shrink_seal`, memfds that cannot be sealed against shrinking are refused.
     pub fn new(
-        channel: Option<Arc<FdChannel>>,
+        channel: Option<Arc<dyn SideChannel>>,
         fd_timeout: Duration,
         require_shrink_seal: bool,
     ) -> Self {
@@ -368,8 +367,8 @@ impl HostMemfdRegistrar {
 mod tests {
     use super::*;
     use pegaflow_api::memfd::HostMemfd;
-    use pegaflow_runtime::fd_channel::FdChannelLimits;
-    use pegaflow_runtime::{NativeView, RegistrationPayload};
+    use pegaflow_fd_channel::{FdChannel, FdChannelLimits};
+    use pegaflow_plugin::{NativeView, RegistrationPayload};
 
     struct Fixture {
         _dir: tempfile::TempDir,
@@ -388,7 +387,7 @@ mod tests {
         let mut t = toml::Table::new();
         t.insert("fd_timeout_secs".into(), toml::Value::Float(timeout_secs));
         let ctx = RuntimeContext {
-            fd_channel: Some(Arc::clone(&f.channel)),
+            fd_channel: Some(Arc::clone(&f.channel) as Arc<dyn SideChannel>),
             ..RuntimeContext::default()
         };
         build(&t, &ctx).unwrap()
@@ -582,7 +581,7 @@ mod tests {
     async fn seals_sealable_memfds_against_shrinking() {
         let f = fixture().await;
         let ctx = RuntimeContext {
-            fd_channel: Some(Arc::clone(&f.channel)),
+            fd_channel: Some(Arc::clone(&f.channel) as Arc<dyn SideChannel>),
             ..RuntimeContext::default()
         };
         let strict = build(&toml::from_str("require_shrink_seal = true").unwrap(), &ctx).unwrap();
@@ -637,7 +636,7 @@ mod tests {
     async fn unsealable_memfds_are_refused_unless_the_operator_opts_out() {
         let f = fixture().await;
         let ctx = RuntimeContext {
-            fd_channel: Some(Arc::clone(&f.channel)),
+            fd_channel: Some(Arc::clone(&f.channel) as Arc<dyn SideChannel>),
             ..RuntimeContext::default()
         };
         let default = build(&toml::Table::new(), &ctx).unwrap();
@@ -693,7 +692,7 @@ mod tests {
 
     #[test]
     fn the_factory_is_registered() {
-        let f = pegaflow_runtime::registrar_factory("host-memfd").unwrap();
+        let f = pegaflow_plugin::registrar_factory("host-memfd").unwrap();
         let r = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(r.kind(), "host-memfd");
         assert_eq!(

@@ -24,7 +24,7 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::{PeerDataError, PeerDataPath, PeerRead};
+use pegaflow_plugin::{PeerDataError, PeerDataPath, PeerRead};
 use tokio::io::{AsyncReadExt, AsyncWriteExt};
 use tokio::net::TcpStream;
 
@@ -78,7 +78,7 @@ impl ShareError {
 struct Share {
     ranges: Vec<Range>,
     /// Per range: destination buffer and offset in it.
-    dests: Vec<(Arc<pegaflow_runtime::HostBuffer>, usize)>,
+    dests: Vec<(Arc<pegaflow_plugin::HostBuffer>, usize)>,
     bytes: u64,
 }
 
@@ -269,7 +269,7 @@ impl PeerDataPath for TcpDataPath {
         deadline: Instant,
     ) -> Result<(), PeerDataError> {
         // Flatten, check against the destinations, split by bytes.
-        let mut items: Vec<(Range, Arc<pegaflow_runtime::HostBuffer>, usize)> = Vec::new();
+        let mut items: Vec<(Range, Arc<pegaflow_plugin::HostBuffer>, usize)> = Vec::new();
         let mut total = 0u64;
         for r in &reads {
             let mut off = r.dest_offset;

@@ -28,10 +28,10 @@ use std::time::{Duration, Instant};
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::BlockHost;
+use pegaflow_plugin::{PeerDataError, PeerDataPath, PeerFetcher, PeerRead, RemoteRange};
 use pegaflow_proto as pb;
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
-use pegaflow_runtime::store::TierStack;
-use pegaflow_runtime::{PeerDataError, PeerDataPath, PeerFetcher, PeerRead, RemoteRange};
 use tonic::transport::{Channel, Endpoint};
 
 use crate::metrics::PeerMetrics;
@@ -362,7 +362,7 @@ impl Fetcher {
 
     async fn fetch_inner(
         &self,
-        stack: &Arc<TierStack>,
+        stack: &Arc<dyn BlockHost>,
         node: &str,
         keys: &[BlockKey],
         expect: Option<&BlockShape>,
@@ -608,7 +608,7 @@ impl PeerFetcher for Fetcher {
 
     async fn fetch(
         &self,
-        stack: &Arc<TierStack>,
+        stack: &Arc<dyn BlockHost>,
         node: &str,
         keys: &[BlockKey],
         expect: Option<&BlockShape>,

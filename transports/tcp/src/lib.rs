@@ -30,13 +30,13 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use async_trait::async_trait;
-use pegaflow_proto as pb;
-use pegaflow_runtime::block::KeyRef;
-use pegaflow_runtime::store::TierStack;
-use pegaflow_runtime::{
+use pegaflow_plugin::block::KeyRef;
+use pegaflow_plugin::BlockHost;
+use pegaflow_plugin::{
     defaults_of, parse_settings, ConfigSchema, FactoryFlag, FlagValue, PeerFetcher, PeerService,
     PeerServiceFactory, PluginOption, RuntimeContext,
 };
+use pegaflow_proto as pb;
 use serde::{Deserialize, Serialize};
 
 use crate::locks::{Locked, Locks};
@@ -285,7 +285,7 @@ impl TcpPeer {
 /// A slot as the wire describes it: its first piece as K and its second (if any) as V; a
 /// slot spread over more pieces cannot be described (`None`).
 fn slot_info(
-    s: &pegaflow_runtime::block::Slot,
+    s: &pegaflow_plugin::block::Slot,
     numa_node: i32,
     pieces: &mut Vec<(u64, u64)>,
 ) -> Option<pb::TransferSlotInfo> {
@@ -318,7 +318,7 @@ fn slot_info(
 pub fn lock_for_transfer(
     locks: &Locks,
     numa_node: i32,
-    store: &Arc<TierStack>,
+    store: &Arc<dyn BlockHost>,
     req: pb::QueryBlocksForTransferRequest,
 ) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status> {
     let mut blocks = Vec::new();
@@ -414,7 +414,7 @@ impl PeerService for TcpPeer {
 
     async fn query_blocks_for_transfer(
         &self,
-        store: &Arc<TierStack>,
+        store: &Arc<dyn BlockHost>,
         req: pb::QueryBlocksForTransferRequest,
     ) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status> {
         lock_for_transfer(&self.locks, self.config.numa_node, store, req)
@@ -422,7 +422,7 @@ impl PeerService for TcpPeer {
 
     async fn release_transfer_lock(
         &self,
-        _store: &Arc<TierStack>,
+        _store: &Arc<dyn BlockHost>,
         req: pb::ReleaseTransferLockRequest,
     ) -> Result<pb::ReleaseTransferLockResponse, tonic::Status> {
         Ok(release_lock(&self.locks, req))
@@ -430,7 +430,7 @@ impl PeerService for TcpPeer {
 
     async fn rdma_handshake(
         &self,
-        _store: &Arc<TierStack>,
+        _store: &Arc<dyn BlockHost>,
         req: pb::RdmaHandshakeRequest,
     ) -> Result<pb::RdmaHandshakeResponse, tonic::Status> {
         if !req
@@ -566,7 +566,7 @@ inventory::submit! {
 mod tests {
     #[test]
     fn the_listing_documents_every_setting() {
-        let problems = pegaflow_runtime::doc_problems();
+        let problems = pegaflow_plugin::doc_problems();
         let ours: Vec<_> = problems.iter().filter(|p| p.contains("\"tcp\"")).collect();
         assert!(ours.is_empty(), "{ours:?}");
     }
@@ -576,7 +576,7 @@ mod tests {
 mod check_tests {
     #[test]
     fn out_of_range_settings_are_refused_without_building() {
-        let f = pegaflow_runtime::peer_service_factory("tcp").unwrap();
+        let f = pegaflow_plugin::peer_service_factory("tcp").unwrap();
         let mut t = toml::Table::new();
         t.insert("connections_per_peer".into(), 0.into());
         assert!((f.config.check)("tcp peer", &t).is_err());

@@ -19,7 +19,7 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use parking_lot::Mutex;
-use pegaflow_runtime::block::SealedBlock;
+use pegaflow_plugin::block::SealedBlock;
 
 use crate::metrics::PeerMetrics;
 use crate::wire::Range;
@@ -380,8 +380,8 @@ mod tests {
 
     impl Locked {
         fn with_fake_count(mut self, n: usize) -> Self {
-            use pegaflow_runtime::block::BlockShape;
-            use pegaflow_runtime::{Extent, HostBuffer, HostMemory};
+            use pegaflow_plugin::block::BlockShape;
+            use pegaflow_plugin::{Extent, HostBuffer, HostMemory};
             struct Leak;
             impl HostMemory for Leak {
                 fn release(&self, _: &[Extent]) {}

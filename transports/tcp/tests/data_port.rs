@@ -16,8 +16,8 @@ use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use pegaflow_runtime::block::{BlockShape, SealedBlock};
-use pegaflow_runtime::{
+use pegaflow_plugin::block::{BlockShape, SealedBlock};
+use pegaflow_plugin::{
     Extent, HostBuffer, HostMemory, PeerDataError, PeerDataPath, PeerRead, RemoteRange,
 };
 use pegaflow_transport_tcp::client::TcpDataPath;

@@ -29,9 +29,9 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::block::{BlockKey, BlockShape, SealedBlock};
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
+use pegaflow_plugin::block::{BlockKey, BlockShape, SealedBlock};
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
 use tokio::sync::Semaphore;
 
 use crate::dir::Dir;

@@ -9,7 +9,7 @@
 use std::sync::atomic::Ordering;
 use std::time::Instant;
 
-use pegaflow_runtime::{TierError, TierGet};
+use pegaflow_plugin::{TierError, TierGet};
 
 use super::{same_record, unavailable, GaugeGuard, Inner, SegState};
 use crate::format::RecordPlace;

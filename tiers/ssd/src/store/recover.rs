@@ -14,8 +14,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pegaflow_runtime::block::BlockKey;
-use pegaflow_runtime::Recovered;
+use pegaflow_plugin::block::BlockKey;
+use pegaflow_plugin::Recovered;
 
 use super::{Inner, Loc, OpenSeg, SegState};
 use crate::dir::Dir;
@@ -27,7 +27,7 @@ use crate::io::read_vec;
 use crate::verify::Expected;
 
 impl Inner {
-    /// [`pegaflow_runtime::Tier::recover`]: rebuilds the index of every path, writes the
+    /// [`pegaflow_plugin::Tier::recover`]: rebuilds the index of every path, writes the
     /// summaries of the segments that were open at a crash, sets the recovery gauges.
     pub(super) async fn recover_all(&self) -> Recovered {
         let t0 = Instant::now();

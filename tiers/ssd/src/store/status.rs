@@ -13,7 +13,7 @@ use std::sync::Weak;
 use std::time::Duration;
 
 use parking_lot::Mutex;
-use pegaflow_runtime::health::HealthState;
+use pegaflow_plugin::health::HealthState;
 
 use super::{Inner, SegMeta, SegState, State};
 use crate::ratelog::{LogLimit, EVERY};

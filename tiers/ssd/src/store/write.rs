@@ -11,8 +11,8 @@ use std::sync::atomic::Ordering;
 use std::sync::Arc;
 use std::time::Instant;
 
-use pegaflow_runtime::block::SealedBlock;
-use pegaflow_runtime::TierError;
+use pegaflow_plugin::block::SealedBlock;
+use pegaflow_plugin::TierError;
 
 use super::{unavailable, ChunkItem, GaugeGuard, Inner, Loc, OpenSeg, SegMeta, SegState, State};
 use crate::dir::Dir;

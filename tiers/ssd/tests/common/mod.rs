@@ -8,9 +8,9 @@ use std::process::Command;
 use std::sync::{Arc, OnceLock};
 
 use parking_lot::Mutex;
-use pegaflow_runtime::block::{BlockKey, SealedBlock, Slot};
-use pegaflow_runtime::health::HealthBoard;
-use pegaflow_runtime::{Tier, TierError, TierGet, TierPut};
+use pegaflow_plugin::block::{BlockKey, SealedBlock, Slot};
+use pegaflow_plugin::health::HealthBoard;
+use pegaflow_plugin::{Tier, TierError, TierGet, TierPut};
 use pegaflow_tests::pool_suite::pattern;
 use pegaflow_tests::tier_suite::heap_buffer;
 use pegaflow_tier_ssd::format::{Footer, RecordHeader, SegmentHeader, Superblock};

@@ -8,7 +8,7 @@
 
 use std::time::Duration;
 
-use pegaflow_runtime::{parse_settings, PluginOption};
+use pegaflow_plugin::{parse_settings, PluginOption};
 use serde::{Deserialize, Serialize};
 
 use crate::pin::MAX_PIN_CHUNK;
@@ -108,7 +108,7 @@ pub struct CudaTransportConfig {
     pub kernel_path: KernelPath,
     /// `staging_chunk`: bytes per staging buffer, default 64 MiB (a batch's first chunks are
     /// smaller: they ramp from 2 MiB).
-    #[serde(with = "pegaflow_runtime::config::size")]
+    #[serde(with = "pegaflow_plugin::units::size")]
     pub staging_chunk: u64,
     /// `staging_buffers`: staging buffers (and streams) per worker, 2 to 8, default 2. Chunk
     /// `i` of a batch runs on buffer and stream `i % staging_buffers`, so this many chunks are
@@ -116,14 +116,14 @@ pub struct CudaTransportConfig {
     pub staging_buffers: usize,
     /// `direct_min_bytes`: under `auto`, batches whose merged ranges average at least this
     /// many bytes take the direct path; default 8 MiB.
-    #[serde(with = "pegaflow_runtime::config::size")]
+    #[serde(with = "pegaflow_plugin::units::size")]
     pub direct_min_bytes: u64,
     /// `pin`: register the landing tier's memory with CUDA, default true.
     pub pin: bool,
     /// `pin_threads`: threads registering it in parallel, default min(8, CPUs).
     pub pin_threads: usize,
     /// `pin_chunk`: most bytes per registration, default and maximum 64 GiB.
-    #[serde(with = "pegaflow_runtime::config::size")]
+    #[serde(with = "pegaflow_plugin::units::size")]
     pub pin_chunk: usize,
     /// `queue_depth`: batches waiting per worker before `copy` waits, default 64.
     pub queue_depth: usize,
@@ -290,7 +290,7 @@ impl CudaTransportConfig {
 
 #[cfg(test)]
 mod tests {
-    use pegaflow_runtime::defaults_of;
+    use pegaflow_plugin::defaults_of;
 
     use super::*;
 
@@ -350,7 +350,7 @@ direct_min_bytes = "1mb""#,
 
     #[test]
     fn every_linked_factory_documents_its_settings() {
-        let problems = pegaflow_runtime::plugin::doc_problems();
+        let problems = pegaflow_plugin::doc_problems();
         assert!(problems.is_empty(), "{problems:#?}");
         let defaults = defaults_of::<CudaTransportConfig>();
         assert_eq!(
@@ -362,7 +362,7 @@ direct_min_bytes = "1mb""#,
             CudaTransportConfig::from_table(&defaults).unwrap(),
             CudaTransportConfig::default()
         );
-        let listing = pegaflow_runtime::describe_plugins();
+        let listing = pegaflow_plugin::describe_plugins();
         assert!(listing.contains("kernel_path = \"staged\""), "{listing}");
     }
 }

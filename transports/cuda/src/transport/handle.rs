@@ -14,7 +14,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 use parking_lot::Mutex;
-use pegaflow_runtime::{
+use pegaflow_plugin::{
     defaults_of, ConfigSchema, CopyBatch, Direction, HostRegion, MemorySpace, OpParts,
     RuntimeContext, Transport, TransportError, TransportFactory,
 };
@@ -335,14 +335,14 @@ inventory::submit! {
 #[cfg(test)]
 mod tests {
     use pegaflow_api::TransferMode;
-    use pegaflow_runtime::CopyOp;
+    use pegaflow_plugin::CopyOp;
 
     use super::*;
     use crate::cuda_space;
 
     #[test]
     fn factory_and_missing_driver() {
-        let f = pegaflow_runtime::transport_factory("cuda").unwrap();
+        let f = pegaflow_plugin::transport_factory("cuda").unwrap();
         let t = (f.build)(&toml::Table::new(), &RuntimeContext::default()).unwrap();
         assert_eq!(t.kind(), "cuda");
         assert!(t.can_address(cuda_space(0)));

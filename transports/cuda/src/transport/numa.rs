@@ -8,7 +8,7 @@
 
 use std::collections::HashMap;
 
-use pegaflow_runtime::HostRegion;
+use pegaflow_plugin::HostRegion;
 
 use crate::driver::Driver;
 
@@ -25,15 +25,15 @@ pub(super) struct Numa {
 impl Numa {
     /// Decides placement for the served devices and logs what it decided.
     pub(super) fn plan(driver: &Driver, served: &[i32], enabled: bool) -> Self {
-        let topo = pegaflow_runtime::numa::Topology::system();
+        let topo = crate::host_numa::Topology::system();
         let devices: Vec<_> = served.iter().filter_map(|&o| driver.device(o)).collect();
         let ids: Vec<String> = devices.iter().map(|d| d.pci_bus_id.clone()).collect();
-        match pegaflow_runtime::numa::NumaPlacement::plan(&topo, &ids, enabled) {
-            pegaflow_runtime::numa::NumaPlacement::Off(why) => {
+        match crate::host_numa::NumaPlacement::plan(&topo, &ids, enabled) {
+            crate::host_numa::NumaPlacement::Off(why) => {
                 tracing::info!("cuda transport: no NUMA placement: {why}");
                 Self::default()
             }
-            pegaflow_runtime::numa::NumaPlacement::On {
+            crate::host_numa::NumaPlacement::On {
                 nodes,
                 device_nodes,
             } => {
@@ -65,7 +65,7 @@ impl Numa {
         }
         for r in regions {
             let (addr, len) = r.range();
-            if let Err(e) = pegaflow_runtime::numa::prefer_nodes(addr, len, &self.nodes) {
+            if let Err(e) = crate::host_numa::prefer_nodes(addr, len, &self.nodes) {
                 tracing::warn!(
                     addr,
                     len,
@@ -87,7 +87,7 @@ impl Numa {
 
 /// Runs the calling thread on `cpus` (a device's NUMA node), logging a failure.
 pub(super) fn run_on_node(what: &str, cpus: &[usize]) {
-    if let Err(e) = pegaflow_runtime::numa::run_on_cpus(cpus) {
+    if let Err(e) = crate::host_numa::run_on_cpus(cpus) {
         tracing::warn!("{what}: cannot run on the GPU's NUMA node CPUs: {e}");
     }
 }

@@ -2,9 +2,9 @@
 //! the moment a device → host batch has read every byte of its device memory.
 //!
 //! This is the one place the `cuda` transport touches the runtime's progress API: it takes the
-//! calling operation's `pegaflow_runtime::SourceRead` listener when a batch is submitted
+//! calling operation's `pegaflow_plugin::SourceRead` listener when a batch is submitted
 //! ([`ReadListener::of_caller`]), fires it ([`ReadListener::fire`]) and calls
-//! `pegaflow_runtime::signal_near_end` ([`signal_near_end`]); the rest of the transport only
+//! `pegaflow_plugin::signal_near_end` ([`signal_near_end`]); the rest of the transport only
 //! sees the types of this module. (Both are task-locals of the calling operation today.)
 //!
 //! Owns: carrying a batch's signals from the caller to its worker and back ([`BatchSignals`]).
@@ -12,7 +12,7 @@
 //! read (the server then answers the Save, and the client may overwrite that memory), or signal
 //! the near end outside the calling operation's task.
 
-use pegaflow_runtime::{Direction, SourceRead};
+use pegaflow_plugin::{Direction, SourceRead};
 use tokio::sync::oneshot;
 
 /// The calling operation's source-read listener, carried with a device → host batch to its
@@ -40,7 +40,7 @@ impl ReadListener {
 /// Tells the operation whose task calls this that its copy is near its end (under
 /// `wait = "tail"`, from the batch's tail on): the server then sends a Save's response headers.
 pub(super) fn signal_near_end() {
-    pegaflow_runtime::signal_near_end();
+    pegaflow_plugin::signal_near_end();
 }
 
 /// The running batch's signals to its caller, held by its worker from the batch's start until

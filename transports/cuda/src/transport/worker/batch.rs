@@ -11,7 +11,7 @@ use std::panic::AssertUnwindSafe;
 use std::time::Duration;
 
 use pegaflow_api::TransferMode;
-use pegaflow_runtime::{CopyBatch, CopyOp, OpParts, TransportError};
+use pegaflow_plugin::{CopyBatch, CopyOp, OpParts, TransportError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::{Job, Worker};

@@ -8,7 +8,7 @@
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use pegaflow_runtime::{CopyOp, Direction};
+use pegaflow_plugin::{CopyOp, Direction};
 
 use super::Worker;
 use crate::driver::{check, CudaError};

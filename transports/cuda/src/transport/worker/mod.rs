@@ -30,7 +30,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use cudarc::driver::sys;
-use pegaflow_runtime::{CopyBatch, Direction, OpParts, TransportError};
+use pegaflow_plugin::{CopyBatch, Direction, OpParts, TransportError};
 use tokio::sync::{mpsc, oneshot};
 
 use super::config::{CudaTransportConfig, Wait, DESC_PAGE_START, MARKS_START_BYTES, MAX_STREAMS};
@@ -50,7 +50,7 @@ use wait::{StreamEnds, TailMarks};
 pub(super) struct Job {
     pub(super) batch: CopyBatch,
     /// The batch's later ops, when the engine hands them over while it plans
-    /// ([`pegaflow_runtime::Transport::copy_parts`]).
+    /// ([`pegaflow_plugin::Transport::copy_parts`]).
     pub(super) parts: Option<OpParts>,
     pub(super) reply: oneshot::Sender<Result<CopyReport, TransportError>>,
     /// Told when the worker starts polling for the batch's end (after the last part is

@@ -10,7 +10,7 @@
 //! "mapped"` or host → device, or let it rewrite descriptors the running batch's kernels may
 //! still read.
 
-use pegaflow_runtime::Direction;
+use pegaflow_plugin::Direction;
 use tokio::sync::mpsc;
 
 use super::{Job, Worker};

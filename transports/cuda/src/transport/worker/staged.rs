@@ -18,7 +18,7 @@ use std::collections::VecDeque;
 use std::ffi::c_void;
 
 use cudarc::driver::sys;
-use pegaflow_runtime::{CopyOp, Direction, OpParts};
+use pegaflow_plugin::{CopyOp, Direction, OpParts};
 
 use super::batch::{next_part, Tally};
 use super::Worker;

@@ -10,7 +10,7 @@ use std::sync::Arc;
 use async_trait::async_trait;
 use pegaflow_api::TransferMode;
 
-use super::pool::HostRegion;
+use crate::pool::HostRegion;
 
 /// Where memory lives: a domain declared by a backend (`"host"` for this process's virtual
 /// memory; a device backend declares its own, e.g. one per GPU API) and an ordinal inside it
@@ -314,7 +314,7 @@ impl OnceSignal {
 
 /// Who hears that the copy batch of the current operation is close to its end: the RPC layer
 /// sends a Save's response headers then, so that the client's threads are awake when the
-/// answer follows ([`crate::config::ServerConfig::save_headers_early`]). Made by
+/// answer follows (the runtime's `[server] save_headers_early`). Made by
 /// [`NearEnd::new`], installed around an operation with [`NearEnd::scope`], fired by the
 /// transport through [`signal_near_end`]. Fires at most once; cloning shares the one signal.
 #[derive(Debug, Clone)]
@@ -353,7 +353,7 @@ impl NearEnd {
 /// Who hears that a device → host batch of the current operation has read every byte of its
 /// device memory, while bytes of it may still travel to host memory: from then on the
 /// client may overwrite its device memory without harm to the copy. The RPC layer answers a
-/// Save then ([`crate::config::ServerConfig::save_answer_early`]), and the Save goes on to
+/// Save then (the runtime's `[server] save_answer_early`), and the Save goes on to
 /// its end (host bytes, seal) in its own task; a failure after the answer is logged and
 /// counted (`pegaflow_save_late_failures_total`), and the Save's blocks are not stored.
 ///

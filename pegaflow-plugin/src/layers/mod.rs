@@ -1,16 +1,20 @@
-//! The runtime's own layers, registered through `inventory` like any backend's:
+//! The layers every binary links, registered through `inventory` like any backend's:
 //!
 //! - `metrics` (tiers and transports): counts every call by outcome, its duration and the
 //!   bytes it moved (`pegaflow_tier_ops_total`, `pegaflow_tier_op_duration_seconds`,
 //!   `pegaflow_tier_op_bytes_total`; for transports the `pegaflow_transport_*` families);
 //! - `fault` (tiers and transports): injects failures and delays from its settings
-//!   (`fail_every`, `fail_next`, `delay_ms`), for staging and tests (see [`crate::fault`]);
+//!   (`fail_every`, `fail_next`, `delay_ms`), for staging and tests (see [`fault`]);
 //! - `admission` (tiers): a second-sighting filter before a tier's writes: a block is
 //!   written only when its key was seen before (an earlier put attempt, or a lookup that
 //!   missed it), so blocks used once never cost a write (SSD lifespan). Rejections count in
 //!   `pegaflow_cache_block_admission_rejections_total`.
 //!
-//! Each forwards every trait method explicitly (the traits have no default methods).
+//! Each forwards every trait method explicitly (the traits have no default methods), and
+//! owns its metric families ([`TierOpMetrics`], [`TransportBatchMetrics`],
+//! [`AdmissionMetrics`]), shared by every instance through [`MetricsRegistry::shared`].
+
+pub mod fault;
 
 use std::collections::HashSet;
 use std::hash::BuildHasher;
@@ -21,13 +25,16 @@ use async_trait::async_trait;
 use parking_lot::Mutex;
 use serde::{Deserialize, Serialize};
 
+use prometheus::{HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry};
+
 use crate::block::{BlockKey, BlockShape};
-use crate::fault::{FaultControl, FaultyTier, FaultyTransport};
-use crate::plugin::{
+use crate::metrics::MetricsRegistry;
+use crate::{
     check_parses, defaults_of, parse_settings, ConfigSchema, CopyBatch, HostRegion, LayerContext,
     LayerFactory, MemorySpace, OpParts, PluginOption, Recovered, Tier, TierCapabilities, TierError,
     TierGet, TierPut, Transport, TransportError,
 };
+use fault::{FaultControl, FaultyTier, FaultyTransport};
 
 /// The `metrics` layer's settings: none.
 #[derive(Debug, Clone, Default, Serialize, Deserialize)]
@@ -44,25 +51,180 @@ fn outcome<T>(r: &Result<T, TierError>) -> &'static str {
     }
 }
 
+fn exp_buckets(start: f64, factor: f64, n: usize) -> Vec<f64> {
+    prometheus::exponential_buckets(start, factor, n).expect("valid buckets")
+}
+
+/// Registers `m` in `r` and returns it.
+///
+/// # Panics
+/// When the family is invalid or its name is registered already (a bug: each family has one
+/// owner, and shared ones are built once by [`MetricsRegistry::shared`]).
+fn reg<M: prometheus::core::Collector + Clone + 'static>(
+    r: &Registry,
+    m: prometheus::Result<M>,
+) -> M {
+    let m = m.expect("valid metric family");
+    r.register(Box::new(m.clone()))
+        .expect("a metric family registered once");
+    m
+}
+
+/// The `metrics` layer's families for tiers, shared by every metered tier.
+#[derive(Clone)]
+pub struct TierOpMetrics {
+    /// `pegaflow_tier_ops_total{tier,op,outcome}`: operations by tier, op and outcome.
+    pub ops: IntCounterVec,
+    /// `pegaflow_tier_op_duration_seconds{tier,op}`.
+    pub duration: HistogramVec,
+    /// `pegaflow_tier_op_bytes_total{tier,op}`: bytes put and got.
+    pub bytes: IntCounterVec,
+}
+
+impl TierOpMetrics {
+    /// The families in `m` (registered the first time).
+    pub fn of(m: &MetricsRegistry) -> Self {
+        m.shared(|r| Self {
+            ops: reg(
+                r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "pegaflow_tier_ops_total",
+                        "Lower-tier operations by tier, op and outcome",
+                    ),
+                    &["tier", "op", "outcome"],
+                ),
+            ),
+            duration: reg(
+                r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "pegaflow_tier_op_duration_seconds",
+                        "Lower-tier operation duration",
+                    )
+                    .buckets(exp_buckets(1e-5, 4.0, 12)),
+                    &["tier", "op"],
+                ),
+            ),
+            bytes: reg(
+                r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "pegaflow_tier_op_bytes_total",
+                        "Bytes written (put) and read (get) by lower tiers",
+                    ),
+                    &["tier", "op"],
+                ),
+            ),
+        })
+    }
+}
+
+/// The `metrics` layer's families for transports, shared by every metered transport.
+#[derive(Clone)]
+pub struct TransportBatchMetrics {
+    /// `pegaflow_transport_batches_total{transport,direction,outcome}`.
+    pub batches: IntCounterVec,
+    /// `pegaflow_transport_bytes_total{transport,direction}`: bytes of successful batches.
+    pub bytes: IntCounterVec,
+    /// `pegaflow_transport_batch_duration_seconds{transport,direction}`.
+    pub duration: HistogramVec,
+}
+
+impl TransportBatchMetrics {
+    /// The families in `m` (registered the first time).
+    pub fn of(m: &MetricsRegistry) -> Self {
+        m.shared(|r| Self {
+            batches: reg(
+                r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "pegaflow_transport_batches_total",
+                        "Copy batches by transport, direction and outcome (metrics layer)",
+                    ),
+                    &["transport", "direction", "outcome"],
+                ),
+            ),
+            bytes: reg(
+                r,
+                IntCounterVec::new(
+                    Opts::new(
+                        "pegaflow_transport_bytes_total",
+                        "Bytes moved by successful copy batches (metrics layer)",
+                    ),
+                    &["transport", "direction"],
+                ),
+            ),
+            duration: reg(
+                r,
+                HistogramVec::new(
+                    HistogramOpts::new(
+                        "pegaflow_transport_batch_duration_seconds",
+                        "Copy batch duration (metrics layer)",
+                    )
+                    .buckets(exp_buckets(1e-5, 4.0, 12)),
+                    &["transport", "direction"],
+                ),
+            ),
+        })
+    }
+}
+
+/// The `admission` layer's families. `pegaflow_cache_block_admission_rejections_total` is
+/// PegaFlow's name (its TinyLFU admission counts there), so the runtime registers these up
+/// front: a dashboard finds the family at 0 when no tier has the layer.
+#[derive(Clone)]
+pub struct AdmissionMetrics {
+    /// Blocks an admission filter kept out of a tier.
+    pub rejections: IntCounter,
+    /// Blocks an admission filter let through to its tier (this server's own).
+    pub admissions: IntCounter,
+}
+
+impl AdmissionMetrics {
+    /// The families in `m` (registered the first time).
+    pub fn of(m: &MetricsRegistry) -> Self {
+        m.shared(|r| Self {
+            rejections: reg(
+                r,
+                IntCounter::new(
+                    "pegaflow_cache_block_admission_rejections_total",
+                    "Blocks an admission filter kept out of a tier",
+                ),
+            ),
+            admissions: reg(
+                r,
+                IntCounter::new(
+                    "pegaflow_cache_block_admissions_total",
+                    "Blocks an admission filter let through to a tier",
+                ),
+            ),
+        })
+    }
+}
+
 /// The `metrics` layer around a tier.
 pub struct MeteredTier {
     inner: Arc<dyn Tier>,
-    ctx: LayerContext,
+    m: TierOpMetrics,
 }
 
 impl MeteredTier {
-    /// Wraps `inner`, counting into `ctx.metrics`.
+    /// Wraps `inner`, counting into the [`TierOpMetrics`] of `ctx.metrics`.
     pub fn new(inner: Arc<dyn Tier>, ctx: LayerContext) -> Self {
-        Self { inner, ctx }
+        Self {
+            inner,
+            m: TierOpMetrics::of(&ctx.metrics),
+        }
     }
 
     /// One batch of `op` (`put` or `get`): each block's outcome, the batch's duration (as
     /// `<op>_batch`) and the bytes of the blocks that succeeded.
     fn record_batch(&self, op: &str, t0: Instant, lens: &[u64], results: &[Result<(), TierError>]) {
         let k = self.inner.kind();
-        let m = &self.ctx.metrics;
+        let m = &self.m;
         for r in results {
-            m.tier_ops.with_label_values(&[k, op, outcome(r)]).inc();
+            m.ops.with_label_values(&[k, op, outcome(r)]).inc();
         }
         let bytes: u64 = results
             .iter()
@@ -72,16 +234,16 @@ impl MeteredTier {
             .sum();
         self.record(&format!("{op}_batch"), "ok", t0);
         if bytes > 0 {
-            m.tier_op_bytes.with_label_values(&[k, op]).inc_by(bytes);
+            m.bytes.with_label_values(&[k, op]).inc_by(bytes);
         }
     }
 
     /// One call of `op`: its outcome and duration.
     fn record(&self, op: &str, outcome: &str, t0: Instant) {
-        let m = &self.ctx.metrics;
+        let m = &self.m;
         let k = self.inner.kind();
-        m.tier_ops.with_label_values(&[k, op, outcome]).inc();
-        m.tier_op_duration
+        m.ops.with_label_values(&[k, op, outcome]).inc();
+        m.duration
             .with_label_values(&[k, op])
             .observe(t0.elapsed().as_secs_f64());
     }
@@ -144,7 +306,7 @@ impl Tier for MeteredTier {
 /// The `metrics` layer around a transport.
 pub struct MeteredTransport {
     inner: Arc<dyn Transport>,
-    ctx: LayerContext,
+    m: TransportBatchMetrics,
 }
 
 #[async_trait]
@@ -183,25 +345,25 @@ impl MeteredTransport {
     /// Counts one finished batch of `bytes` begun at `t0`.
     fn record(
         &self,
-        dir: crate::plugin::Direction,
+        dir: crate::Direction,
         bytes: u64,
         t0: Instant,
         r: &Result<(), TransportError>,
     ) {
         let dir = match dir {
-            crate::plugin::Direction::ToHost => "d2h",
-            crate::plugin::Direction::ToDevice => "h2d",
+            crate::Direction::ToHost => "d2h",
+            crate::Direction::ToDevice => "h2d",
         };
         let k = self.inner.kind();
-        let m = &self.ctx.metrics;
-        m.transport_batches
+        let m = &self.m;
+        m.batches
             .with_label_values(&[k, dir, if r.is_ok() { "ok" } else { "failed" }])
             .inc();
-        m.transport_batch_duration
+        m.duration
             .with_label_values(&[k, dir])
             .observe(t0.elapsed().as_secs_f64());
         if r.is_ok() {
-            m.transport_bytes.with_label_values(&[k, dir]).inc_by(bytes);
+            m.bytes.with_label_values(&[k, dir]).inc_by(bytes);
         }
     }
 }
@@ -223,7 +385,7 @@ fn metrics_transport(
     let _: MetricsLayerConfig = parse_settings("metrics layer", t)?;
     Ok(Arc::new(MeteredTransport {
         inner,
-        ctx: ctx.clone(),
+        m: TransportBatchMetrics::of(&ctx.metrics),
     }))
 }
 
@@ -310,7 +472,7 @@ pub struct AdmissionTier {
     seen: Mutex<HashSet<u64>>,
     window: usize,
     hasher: hashbrown::DefaultHashBuilder,
-    ctx: LayerContext,
+    m: AdmissionMetrics,
 }
 
 impl AdmissionTier {
@@ -321,7 +483,7 @@ impl AdmissionTier {
             seen: Mutex::new(HashSet::new()),
             window: config.window_keys.max(1),
             hasher: hashbrown::DefaultHashBuilder::default(),
-            ctx,
+            m: AdmissionMetrics::of(&ctx.metrics),
         }
     }
 
@@ -393,16 +555,10 @@ impl Tier for AdmissionTier {
         }
         let rejected = slots.iter().filter(|s| s.is_none()).count() as u64;
         if !admitted.is_empty() {
-            self.ctx
-                .metrics
-                .cache_block_admissions
-                .inc_by(admitted.len() as u64);
+            self.m.admissions.inc_by(admitted.len() as u64);
         }
         if rejected > 0 {
-            self.ctx
-                .metrics
-                .cache_block_admission_rejections
-                .inc_by(rejected);
+            self.m.rejections.inc_by(rejected);
         }
         let results = if admitted.is_empty() {
             Vec::new()

@@ -8,16 +8,16 @@
 
 use std::sync::Arc;
 
-use super::tier::Tier;
-use super::transport::Transport;
-use super::ConfigSchema;
-use crate::metrics::Metrics;
+use crate::factory::ConfigSchema;
+use crate::metrics::MetricsRegistry;
+use crate::tier::Tier;
+use crate::transport::Transport;
 
 /// What a layer's constructor gets besides its settings and the backend it wraps.
 #[derive(Clone)]
 pub struct LayerContext {
-    /// The server's metric families (layers that count register under them).
-    pub metrics: Arc<Metrics>,
+    /// The server's metric registry (a layer that counts registers its families here).
+    pub metrics: MetricsRegistry,
     /// The pipeline kind of the wrapped backend (for labels and messages).
     pub wrapped_kind: &'static str,
 }
@@ -57,7 +57,7 @@ inventory::collect!(LayerFactory);
 
 /// Layer names linked into this binary, sorted, comma-separated.
 pub fn known_layers() -> String {
-    super::known(inventory::iter::<LayerFactory>(), |f| f.name)
+    crate::factory::known(inventory::iter::<LayerFactory>(), |f| f.name)
 }
 
 /// The layer factory for `name`, or an error listing the layers this binary knows.
@@ -98,7 +98,7 @@ pub fn parse_layer_entry(v: &toml::Value) -> anyhow::Result<(String, toml::Table
 pub fn wrap_tier(
     mut tier: Arc<dyn Tier>,
     list: &[toml::Value],
-    metrics: &Arc<Metrics>,
+    metrics: &MetricsRegistry,
 ) -> anyhow::Result<Arc<dyn Tier>> {
     for v in list {
         let (name, settings) = parse_layer_entry(v)?;
@@ -123,7 +123,7 @@ pub fn wrap_tier(
 pub fn wrap_transport(
     mut transport: Arc<dyn Transport>,
     list: &[toml::Value],
-    metrics: &Arc<Metrics>,
+    metrics: &MetricsRegistry,
 ) -> anyhow::Result<Arc<dyn Transport>> {
     for v in list {
         let (name, settings) = parse_layer_entry(v)?;

@@ -32,7 +32,7 @@ use std::time::Duration;
 
 use async_trait::async_trait;
 
-use super::{ConfigSchema, FactoryFlag, RuntimeContext};
+use crate::factory::{ConfigSchema, FactoryFlag, RuntimeContext};
 
 /// A node's identity in the directory: PegaFlow's `node` (the address peers reach its gRPC
 /// service at, `ip:port`) and `node_id` (a session id, a fresh UUID per process).
@@ -220,7 +220,7 @@ inventory::collect!(DirectoryFactory);
 
 /// Directory kinds linked into this binary, sorted, comma-separated.
 pub fn known_directories() -> String {
-    super::known(inventory::iter::<DirectoryFactory>(), |f| f.kind)
+    crate::factory::known(inventory::iter::<DirectoryFactory>(), |f| f.kind)
 }
 
 /// The directory factory for `kind`, or an error listing the kinds this binary knows.

@@ -8,7 +8,7 @@
 //! [`crate::plugin::ConfigSchema::check`], and prints the [`PreflightReport`]. Must never: have
 //! a side effect, or block for long (a few file reads; no network).
 
-use super::Section;
+use crate::factory::Section;
 
 /// What start-up checks found: each line names the component and says what was seen.
 #[derive(Debug, Default, Clone, PartialEq, Eq)]

@@ -1,58 +1,25 @@
-//! The plugin contract: the [`HostPool`], [`Tier`], [`Transport`] and [`Registrar`] traits,
-//! the [`LayerFactory`] wrappers, the factories a backend crate submits with `inventory`, and
-//! the lookup that turns a pipeline's `kind` into a built backend.
+//! Factories and the registry: what a backend crate submits with `inventory` (one factory
+//! per kind, with its settings' schema and the flags that override them), the context a
+//! factory builds with, and the lookup that turns a pipeline's `kind` into a factory.
 //!
-//! The runtime never names a backend: it branches on what backends declare
-//! ([`TierCapabilities`], [`Transport::can_address`] over open [`MemorySpace`]s,
-//! [`Registrar::scheme`] and [`Registrar::traits`]). A backend crate registers itself with
-//! `inventory::submit! { TierFactory { .. } }` (or the transport/registrar/layer equivalent)
-//! and is linked into a server binary; nothing in this crate changes.
-
-mod directory;
-mod layer;
-mod peer;
-mod pool;
-mod preflight;
-mod registrar;
-mod tier;
-mod transport;
+//! Must never: name a backend, or build anything itself (a factory's `build` does, when the
+//! runtime calls it).
 
 use std::sync::Arc;
 
-pub use directory::{
-    directory_factory, directory_namespace, known_directories, Directory, DirectoryBuild,
-    DirectoryError, DirectoryFactory, HeartbeatAnswer, InsertAnswer, NodeId, NodePrefix,
+use crate::events::IndexEvents;
+use crate::health::HealthBoard;
+use crate::metrics::MetricsRegistry;
+use crate::side_channel::SideChannel;
+use crate::{
+    DirectoryFactory, HostPool, LayerFactory, PeerServiceFactory, Registrar, Tier, Transport,
 };
-pub use layer::{
-    known_layers, layer_factory, parse_layer_entry, wrap_tier, wrap_transport, LayerContext,
-    LayerFactory, TierLayerBuild, TransportLayerBuild,
-};
-pub use peer::{
-    known_peer_services, peer_service_factory, DefaultPeerPath, PeerDataError, PeerDataPath,
-    PeerFetcher, PeerRead, PeerService, PeerServiceBuild, PeerServiceFactory, RemoteRange,
-};
-pub use pool::{HostPool, HostRegion};
-pub use preflight::{
-    can_create_in, can_read_write, creatable, preflights, Preflight, PreflightReport,
-};
-pub use registrar::{
-    ImportRequest, LayerRegion, NativeAllocationSpec, NativeImport, NativeImportV2,
-    NativeTensorView, NativeView, PayloadCarrier, PayloadScheme, Registrar, RegistrarError,
-    RegistrarTraits, Registration, RegistrationPayload,
-};
-pub use tier::{Recovered, Tier, TierCapabilities, TierError, TierGet, TierPut};
-pub use transport::{
-    op_parts, signal_near_end, CopyBatch, CopyOp, Direction, MemorySpace, NearEnd, OpPartSender,
-    OpParts, PartTally, SourceRead, Transport, TransportError,
-};
-
-use crate::fd_channel::FdChannel;
 
 /// What a backend's factory gets besides its own settings.
 #[derive(Clone, Default)]
 pub struct RuntimeContext {
     /// The fd side channel, when configured.
-    pub fd_channel: Option<Arc<FdChannel>>,
+    pub fd_channel: Option<Arc<dyn SideChannel>>,
     /// Device ordinals the operator asked for (`--devices`); `None` = all the driver reports.
     pub devices: Option<Vec<i32>>,
     /// Whether transports place pinned memory and copy threads by NUMA node
@@ -60,12 +27,13 @@ pub struct RuntimeContext {
     pub numa_affinity: bool,
     /// Index events (sealed, evicted, demoted, promoted) of this server's tier stack: a
     /// directory client subscribes here when it is built.
-    pub index_events: crate::store::IndexEvents,
-    /// The server's metric families: a backend registers its own families in
-    /// `metrics.registry()` (served on `/metrics`) and may wrap itself in a runtime layer.
-    pub metrics: Arc<crate::metrics::Metrics>,
-    /// Component health shown on `/health` (an I/O engine chosen, a degraded directory).
-    pub health: crate::health::HealthBoard,
+    pub index_events: IndexEvents,
+    /// The server's metric registry: a backend registers its own families in it (served on
+    /// `/metrics`).
+    pub metrics: MetricsRegistry,
+    /// Component health shown on `/health?verbose=1` (an I/O engine chosen, a degraded
+    /// directory).
+    pub health: HealthBoard,
 }
 
 impl std::fmt::Debug for RuntimeContext {
@@ -210,8 +178,8 @@ pub fn parse_settings<T: serde::de::DeserializeOwned>(
 /// How a [`FactoryFlag`]'s value is read from the command line and stored in the setting.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum FlagValue {
-    /// A byte size (`30gb`, `512mib`, bytes; see [`crate::config::parse_size`]), stored as
-    /// [`crate::config::size`] writes sizes.
+    /// A byte size (`30gb`, `512mib`, bytes; see [`crate::units::parse_size`]), stored as
+    /// [`crate::units::size`] writes sizes.
     Size,
     /// An integer of at least `min`.
     Integer {
@@ -234,8 +202,8 @@ impl FlagValue {
     /// The text does not fit the kind (the message says what was expected).
     pub fn parse(self, text: &str) -> Result<toml::Value, String> {
         match self {
-            FlagValue::Size => crate::config::parse_size(text)
-                .map(crate::config::size::to_value)
+            FlagValue::Size => crate::units::parse_size(text)
+                .map(crate::units::size::to_value)
                 .map_err(|e| e.to_string()),
             FlagValue::Integer { min } => match text.trim().parse::<i64>() {
                 Ok(v) if v >= min => Ok(toml::Value::Integer(v)),

@@ -1,6 +1,7 @@
-//! The fd side channel: a Unix stream socket on which native clients hand the server one
-//! descriptor per registration (a CUDA VMM export or a host memfd), keyed by
-//! `instance_id \0 device_id` (`native-clients.md` §1.4 and §3.2).
+//! `pegaflow-fd-channel`: the fd side channel, a Unix stream socket on which native clients
+//! hand the server one descriptor per registration (a CUDA VMM export or a host memfd), keyed
+//! by `instance_id \0 device_id` (docs/NATIVE.md). [`FdChannel`] is the runtime's
+//! [`pegaflow_plugin::SideChannel`]; registrars see only that trait.
 //!
 //! Protocol: one connection carries one `sendmsg` whose payload is the ASCII instance id, one
 //! NUL, then the device id in decimal (trailing NULs are ignored), with exactly one descriptor
@@ -16,7 +17,7 @@
 //! counted in [`FdChannelStats`] and its descriptors are closed. A registration later
 //! collects the descriptor with [`FdChannel::take`] (v2: [`FdChannel::take_allocation`]).
 //!
-//! Bounds (DESIGN.md §6.4): at most [`FdChannelLimits::max_connections`] connections are
+//! Bounds (every queue and connection has one, docs/ARCHITECTURE.md): at most [`FdChannelLimits::max_connections`] connections are
 //! served at once (others are closed on arrival), a connection that stays silent for
 //! [`FdChannelLimits::receive_timeout`] is closed, at most [`FdChannelLimits::max_pending`]
 //! descriptors wait to be taken, and each waits at most [`FdChannelLimits::pending_ttl`].
@@ -580,5 +581,27 @@ impl Drop for FdChannel {
         self.accept_task.abort();
         remove_socket_if_ours(&self.path, self.identity);
         // The pending descriptors close when `shared` drops (the tasks hold it weakly).
+    }
+}
+
+#[async_trait::async_trait]
+impl pegaflow_plugin::SideChannel for FdChannel {
+    fn path(&self) -> &Path {
+        FdChannel::path(self)
+    }
+    async fn take(&self, instance_id: &str, device_id: i32, timeout: Duration) -> Option<OwnedFd> {
+        FdChannel::take(self, instance_id, device_id, timeout).await
+    }
+    async fn take_allocation(
+        &self,
+        instance_id: &str,
+        device_id: i32,
+        index: u32,
+        deadline: tokio::time::Instant,
+    ) -> Option<OwnedFd> {
+        FdChannel::take_allocation(self, instance_id, device_id, index, deadline).await
+    }
+    fn discard(&self, instance_id: &str, device_id: i32) -> bool {
+        FdChannel::discard(self, instance_id, device_id)
     }
 }

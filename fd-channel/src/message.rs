@@ -38,7 +38,7 @@ pub enum MalformedMessage {
     #[error("device id {0:?} is not a decimal 32-bit integer")]
     BadDeviceId(String),
     /// The allocation index of a v2 message is not a decimal integer below
-    /// [`crate::decode::MAX_NATIVE_ALLOCATIONS`].
+    /// [`pegaflow_api::fd::MAX_NATIVE_ALLOCATIONS`].
     #[error("allocation index {0:?} is not a decimal integer below the most allocations one registration names")]
     BadAllocationIndex(String),
 }
@@ -116,7 +116,7 @@ pub(super) fn parse_key(payload: &[u8]) -> Result<Key, MalformedMessage> {
                 .ok()
                 .filter(|s| !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()))
                 .and_then(|s| s.parse::<u32>().ok())
-                .filter(|&i| (i as usize) < crate::decode::MAX_NATIVE_ALLOCATIONS)
+                .filter(|&i| (i as usize) < pegaflow_api::fd::MAX_NATIVE_ALLOCATIONS)
                 .ok_or_else(|| {
                     MalformedMessage::BadAllocationIndex(String::from_utf8_lossy(ix).into_owned())
                 })?,

@@ -5,7 +5,7 @@
 //! `cuda-ipc-handle` registrars, `cuda` transport).
 //!
 //! Opt-in: every test is `#[ignore]`d; run them on a CUDA machine with
-//! `PEGAFLOW_GPU_TESTS=1 cargo test --release -p pegaflow-transport-cuda --test native_v2_gpu
+//! `PEGAFLOW_GPU_TESTS=1 cargo test --release -p pegaflow-tests --test native_v2_gpu
 //! -- --include-ignored --test-threads=1 --nocapture`.
 //!
 //! CUDA IPC handles cannot be opened by the process that exported them, so the IPC round trip

@@ -15,11 +15,11 @@ use std::sync::Arc;
 
 use async_trait::async_trait;
 
-use super::transport::MemorySpace;
-use crate::fd_channel::FdChannel;
+use crate::side_channel::SideChannel;
+use crate::transport::MemorySpace;
 
 /// Memory a client handed over, mapped into this process. Dropping the last `Arc` unmaps it;
-/// the engine only drops it after fencing and draining every copy (DESIGN.md §6.3), on a
+/// the engine only drops it after fencing and draining every copy (docs/ARCHITECTURE.md, "Fence, drain, unmap"), on a
 /// dedicated thread.
 pub trait Registration: Send + Sync + 'static {
     /// Where the memory lives.
@@ -54,7 +54,7 @@ impl std::fmt::Debug for LayerRegion {
 }
 
 /// How a registration request carries its memory description on the wire
-/// (`RegisterContextRequest`, engine-wire.md §4).
+/// (`RegisterContextRequest`, docs/PROTOCOL.md).
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
 pub enum PayloadCarrier {
     /// `wrapper_bytes`: one opaque blob per layer (what the published Python client sends).
@@ -238,7 +238,7 @@ pub trait Registrar: Send + Sync + 'static {
 #[derive(Debug)]
 pub struct NativeImport {
     /// The side channel the descriptor arrives on.
-    pub channel: Arc<FdChannel>,
+    pub channel: Arc<dyn SideChannel>,
     /// The registering instance (side-channel safe).
     pub instance_id: String,
     /// The worker's device id.
@@ -258,7 +258,7 @@ impl NativeImport {
     pub fn check(
         registrar: &str,
         memory_kind: i32,
-        channel: Option<&Arc<FdChannel>>,
+        channel: Option<&Arc<dyn SideChannel>>,
         req: ImportRequest,
     ) -> Result<Self, RegistrarError> {
         let Some(channel) = channel else {
@@ -398,7 +398,7 @@ impl NativeImport {
 #[derive(Debug)]
 pub struct NativeImportV2 {
     /// The side channel (fd kinds; `None` for CUDA IPC handles).
-    pub channel: Option<Arc<FdChannel>>,
+    pub channel: Option<Arc<dyn SideChannel>>,
     /// The registering instance (side-channel safe).
     pub instance_id: String,
     /// The worker's device id.
@@ -420,7 +420,7 @@ impl NativeImportV2 {
         registrar: &str,
         memory_kind: i32,
         fds: bool,
-        channel: Option<&Arc<FdChannel>>,
+        channel: Option<&Arc<dyn SideChannel>>,
         req: ImportRequest,
     ) -> Result<Self, RegistrarError> {
         if fds && channel.is_none() {

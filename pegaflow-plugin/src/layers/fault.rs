@@ -1,6 +1,6 @@
 //! Fault-injecting wrappers around a [`Tier`] or a [`Transport`], for tests of failure paths.
 //!
-//! Cross-cutting concerns wrap a backend rather than live in every backend (DESIGN.md §4):
+//! Cross-cutting concerns wrap a backend rather than live in every backend (docs/ARCHITECTURE.md §2):
 //! [`FaultyTier`] and [`FaultyTransport`] forward every call to the backend they wrap, except
 //! that a shared [`FaultControl`] can make chosen calls fail — the next N, or every k-th — and
 //! can delay copies (to model a slow or wedged GPU for cancellation and teardown tests). The
@@ -20,7 +20,7 @@ use async_trait::async_trait;
 
 use crate::block::{BlockKey, BlockShape};
 use crate::buffer::HostBuffer;
-use crate::plugin::{
+use crate::{
     CopyBatch, HostPool, HostRegion, MemorySpace, OpParts, Recovered, Tier, TierCapabilities,
     TierError, TierGet, TierPut, Transport, TransportError,
 };
@@ -406,7 +406,7 @@ mod tests {
     use pegaflow_api::TransferMode;
 
     use crate::buffer::{Extent, HostMemory};
-    use crate::plugin::{CopyOp, Direction};
+    use crate::{CopyOp, Direction};
 
     /// A heap-backed pool: each allocation is its own boxed slice.
     #[derive(Default)]

@@ -1,10 +1,11 @@
 //! The delegate for the server-to-server RPCs (peer fetch): `QueryBlocksForTransfer`,
-//! `ReleaseTransferLock` and `RdmaHandshake` (engine-wire.md §11, PegaFlow's field numbers).
+//! `ReleaseTransferLock` and `RdmaHandshake` (PegaFlow's messages and field numbers,
+//! docs/PROTOCOL.md).
 //!
 //! The runtime owns the gRPC service but not these RPCs' semantics: a cross-node backend
 //! (a TCP or RDMA transport crate) registers a [`PeerServiceFactory`] and is named in the
-//! pipeline (`[peer] kind = "..."`); the service hands each request to it, with the tier
-//! stack, whose DRAM blocks it locks and exposes. Without a `[peer]` entry the RPCs answer
+//! pipeline (`[peer] kind = "..."`); the service hands each request to it, with a
+//! [`BlockHost`]: the view of this node's host DRAM it locks and exposes blocks of. Without a `[peer]` entry the RPCs answer
 //! FAILED_PRECONDITION ("cross-node transfer is not configured"), and ReleaseTransferLock
 //! answers success with 0 blocks released (nothing can be locked).
 //!
@@ -24,10 +25,43 @@ use std::time::Instant;
 use async_trait::async_trait;
 use pegaflow_proto as pb;
 
-use super::{ConfigSchema, FactoryFlag, RuntimeContext};
-use crate::block::{BlockKey, BlockShape, SealedBlock};
+use crate::block::{BlockKey, BlockShape, KeyRef, SealedBlock};
 use crate::buffer::HostBuffer;
-use crate::store::TierStack;
+use crate::directory::NodePrefix;
+use crate::factory::{ConfigSchema, FactoryFlag, RuntimeContext};
+use crate::pool::HostPool;
+
+/// This node's host DRAM as a peer backend sees it: the sealed blocks it may lock and expose
+/// to other nodes, and the allocator a fetch lands blocks in. The runtime's tier stack
+/// implements it; a backend never sees the stack itself.
+pub trait BlockHost: Send + Sync + 'static {
+    /// The sealed DRAM block under `key`, marked recently used; `None` when DRAM does not
+    /// hold it. The returned `Arc` keeps the block's memory alive (never evicted while held).
+    fn get_touch(&self, key: KeyRef<'_>) -> Option<Arc<SealedBlock>>;
+    /// One host buffer per entry of `lens` (bytes), all or nothing, evicting least recently
+    /// used unreferenced blocks as a Save's allocation does. Errors when the pool cannot make
+    /// room (every block referenced, or more than its capacity).
+    fn allocate(&self, lens: &[usize]) -> Result<Vec<HostBuffer>, HostAllocError>;
+    /// The landing pool: its host regions (for a NIC to register) and the footprint of a
+    /// buffer (`footprint_bytes`, for a landed block's accounting).
+    fn pool(&self) -> &Arc<dyn HostPool>;
+}
+
+/// Why [`BlockHost::allocate`] could not serve an allocation (the message says how much was
+/// asked and what the pool holds).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct HostAllocError(pub String);
+
+/// Who holds the continuation of a prefix: the directory as the tier stack's peer rung asks
+/// it. The runtime's directory client implements it.
+#[async_trait]
+pub trait HolderLookup: Send + Sync + 'static {
+    /// Which nodes hold `hashes` (group 0 of `namespace`), from the first, as runs in prefix
+    /// order; this node is never among them. Empty when nothing is known or the directory is
+    /// down (the stack then falls through to the lower tiers).
+    async fn holders(&self, namespace: &str, hashes: &[Vec<u8>]) -> Vec<NodePrefix>;
+}
 
 /// Serves the server-to-server RPCs for one cross-node backend. Requests arrive as decoded
 /// by the gRPC layer; errors are gRPC statuses (the delegate decides codes and messages).
@@ -35,23 +69,23 @@ use crate::store::TierStack;
 pub trait PeerService: Send + Sync + 'static {
     /// The pipeline kind it was built from.
     fn kind(&self) -> &'static str;
-    /// Finds the requested blocks in `store`'s DRAM, locks them under a transfer session and
+    /// Finds the requested blocks in `host`'s DRAM, locks them under a transfer session and
     /// answers their slot locations.
     async fn query_blocks_for_transfer(
         &self,
-        store: &Arc<TierStack>,
+        host: &Arc<dyn BlockHost>,
         req: pb::QueryBlocksForTransferRequest,
     ) -> Result<pb::QueryBlocksForTransferResponse, tonic::Status>;
     /// Releases a transfer session's locks.
     async fn release_transfer_lock(
         &self,
-        store: &Arc<TierStack>,
+        host: &Arc<dyn BlockHost>,
         req: pb::ReleaseTransferLockRequest,
     ) -> Result<pb::ReleaseTransferLockResponse, tonic::Status>;
     /// Exchanges connection metadata with a requesting peer.
     async fn rdma_handshake(
         &self,
-        store: &Arc<TierStack>,
+        host: &Arc<dyn BlockHost>,
         req: pb::RdmaHandshakeRequest,
     ) -> Result<pb::RdmaHandshakeResponse, tonic::Status>;
     /// The requesting side of this backend, when it fetches from other nodes: the server
@@ -68,7 +102,7 @@ pub trait PeerService: Send + Sync + 'static {
 ///   lying peer included) and never leaves I/O running into memory it returned or dropped;
 /// - a returned block holds exactly the bytes the holder had under its key, in the slot
 ///   shape `expect` names (when given); blocks are returned as a prefix of `keys`, in order;
-/// - it allocates only what it fetches, through [`TierStack::allocate`] (the normal LRU),
+/// - it allocates only what it fetches, through [`BlockHost::allocate`] (the normal LRU),
 ///   never more because a peer described its memory oddly (NUMA nodes, slot splits);
 /// - it never inserts into the index itself: the stack does, so the directory advertises
 ///   a fetched block only once it is resident.
@@ -83,12 +117,12 @@ pub trait PeerFetcher: Send + Sync + 'static {
     /// `None`: ask. The stack then falls through to the lower tiers.
     fn skip(&self, node: &str, first_hash: &[u8]) -> Option<&'static str>;
     /// Fetches `keys` (a prefix-ordered run the directory says `node` holds) into host
-    /// buffers from `stack`. Returns the blocks that landed whole, a prefix of `keys`
+    /// buffers from `host`. Returns the blocks that landed whole, a prefix of `keys`
     /// (empty on any failure: the node is then marked suspect, except when it merely held
     /// fewer blocks than advertised).
     async fn fetch(
         &self,
-        stack: &Arc<TierStack>,
+        host: &Arc<dyn BlockHost>,
         node: &str,
         keys: &[BlockKey],
         expect: Option<&BlockShape>,
@@ -216,7 +250,7 @@ inventory::collect!(DefaultPeerPath);
 
 /// Peer-delegate kinds linked into this binary, sorted, comma-separated.
 pub fn known_peer_services() -> String {
-    super::known(inventory::iter::<PeerServiceFactory>(), |f| f.kind)
+    crate::factory::known(inventory::iter::<PeerServiceFactory>(), |f| f.kind)
 }
 
 /// The peer-delegate factory for `kind`, or an error listing the kinds this binary knows.
